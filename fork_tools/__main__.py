@@ -1,0 +1,53 @@
+"""``python -m fork_tools {materialize,check,refresh,export}``: the maintainer workflow, like quilt."""
+import argparse
+import sys
+from pathlib import Path
+
+from fork_tools import export, materialize, refresh
+from fork_tools.upstream import ROOT, BuildError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fork_tools", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("materialize", help="build pytorch_lightning/ from the upstream wheel plus patches/series")
+    p.add_argument("--force", action="store_true", help="discard edits that were never refreshed into a patch")
+
+    sub.add_parser("check", help="verify that pytorch_lightning/ equals upstream plus patches/series")
+
+    p = sub.add_parser("refresh", help="write the edits made in pytorch_lightning/ into a patch")
+    p.add_argument("patch", help="patch file name; a name not in the series is appended to it as a new patch")
+    p.add_argument("--subject", help="Subject line of a new patch")
+    p.add_argument("--why", help="why a new patch is needed (DEP-3 Description)")
+    p.add_argument("--bug", help="upstream issue or PR it relates to")
+
+    p = sub.add_parser("export", help="write a `git am`-ready upstream PR for one patch, against upstream 1.6.5")
+    p.add_argument("patch", help="patch file name in patches/series")
+    p.add_argument("--tests", nargs="*", default=[], help="new test files of ours to include in the PR")
+    p.add_argument("--upstream", type=Path, help="checkout of upstream at tag 1.6.5, to read CHANGELOG.md from")
+    p.add_argument("-o", "--output", type=Path, required=True)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "materialize":
+            print(materialize.materialize(force=args.force))
+        elif args.command == "check":
+            problems = refresh.check(ROOT)
+            for line in problems:
+                print(line)
+            if problems:
+                return 1
+            print("pytorch_lightning/ equals upstream + patches/series")
+        elif args.command == "refresh":
+            print(refresh.refresh(args.patch, subject=args.subject, why=args.why, bug=args.bug))
+        elif args.command == "export":
+            print(export.export(args.patch, args.tests, args.output, upstream=args.upstream))
+    except BuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
