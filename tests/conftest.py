@@ -1,0 +1,29 @@
+"""Test-session setup shared by the whole suite."""
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "standalone: runs in its own process (see tests/standalone_tests.sh)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # PL_RUN_STANDALONE_TESTS=1 selects only the tests marked standalone (RunIf(standalone=True)), as
+    # tests/standalone_tests.sh runs them one process each; otherwise they are collected and skipped.
+    if os.getenv("PL_RUN_STANDALONE_TESTS", "0") != "1":
+        return
+    selected = [item for item in items if any(m.kwargs.get("standalone") for m in item.iter_markers("skipif"))]
+    deselected = [item for item in items if item not in selected]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+    items[:] = selected
+
+
+@pytest.fixture(autouse=True)
+def _restore_env():
+    # Lightning's launchers export rank variables into os.environ; keep tests from leaking them into each other.
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)

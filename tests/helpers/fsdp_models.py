@@ -1,0 +1,120 @@
+"""LightningModules whose layers are created and wrapped in ``configure_sharded_model``, as Lightning's FSDP docs
+recommend for large models. Used by the CPU FSDP scenarios and the checkpoint-memory benchmark."""
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tests.helpers.boring_model import BoringModel, RandomDataset
+
+
+class FSDPModel(BoringModel):
+    """``units`` FSDP-wrapped blocks of ``width x width`` linear layers inside one outer FSDP wrapper.
+
+    Args:
+        width: feature width; one block holds ``width * width + width`` parameters.
+        units: number of blocks, each its own FSDP instance (the unit that is gathered at a time).
+        wrapping: ``"wrap"`` wraps each block and the stack explicitly (nested ``wrap``); ``"auto_wrap"`` lets
+            FairScale's policy decide (with the strategy's ``min_num_params``).
+        extra_before / extra_after: add a plain (non-FSDP) parameter registered before / after the FSDP stack, so
+            the state dict has entries outside any FSDP instance on both sides.
+        optimizer: ``"sgd"`` (momentum) or ``"adam"``.
+        scheduler: add a StepLR scheduler.
+        batches: training batches per epoch.
+    """
+
+    def __init__(
+        self,
+        width: int = 32,
+        units: int = 2,
+        wrapping: str = "wrap",
+        extra_before: bool = False,
+        extra_after: bool = False,
+        optimizer: str = "sgd",
+        scheduler: bool = False,
+        batches: int = 4,
+        lr: float = 0.01,
+    ) -> None:
+        super().__init__()
+        self.width, self.units, self.wrapping = width, units, wrapping
+        self.optimizer_name, self.use_scheduler, self.batches, self.lr = optimizer, scheduler, batches, lr
+        del self.layer
+        self.layer: Optional[nn.Module] = None
+        if extra_before:
+            self.before = nn.Parameter(torch.linspace(-1, 1, width))
+        self.extra_after = extra_after
+
+    def configure_sharded_model(self) -> None:
+        from fairscale.nn import auto_wrap, wrap
+
+        if self.layer is not None:
+            return
+        blocks = [nn.Sequential(nn.Linear(self.width, self.width), nn.Tanh()) for _ in range(self.units)]
+        if self.wrapping == "wrap":
+            self.layer = wrap(nn.Sequential(*[wrap(block) for block in blocks]))
+        elif self.wrapping == "auto_wrap":
+            self.layer = auto_wrap(nn.Sequential(*blocks))
+        else:
+            raise ValueError(f"unknown wrapping {self.wrapping!r}")
+        if self.extra_after:
+            self.after = nn.Parameter(torch.linspace(1, 2, self.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "before"):
+            x = x + self.before
+        x = self.layer(x)
+        if hasattr(self, "after"):
+            x = x * self.after
+        return x
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adam":
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        else:
+            raise ValueError(f"unknown optimizer {self.optimizer_name!r}")
+        if not self.use_scheduler:
+            return optimizer
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    def _loader(self) -> DataLoader:
+        # Seeded by the global seed; every rank sees its own shard through Lightning's DistributedSampler.
+        return DataLoader(RandomDataset(self.width, self.batches * 2 * 2), batch_size=2)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
+def full_parameters(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every rank's copy of the full, unflattened parameters (collective: call on all ranks)."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    roots = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel) and m._is_root is not False]
+    with _summon(roots):
+        return {k: v.detach().clone().cpu() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+class _summon:
+    def __init__(self, roots):
+        self.contexts = [root.summon_full_params(recurse=True) for root in _outermost(roots)]
+
+    def __enter__(self):
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc):
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
+
+
+def _outermost(instances):
+    inner = {id(m) for outer in instances for m in outer.modules() if m is not outer}
+    return [m for m in instances if id(m) not in inner]

@@ -1,0 +1,79 @@
+"""Run a multi-process Lightning script as the user would, bounded by a timeout.
+
+Lightning 1.6's DDP launcher starts ranks >= 1 by re-running the command line of rank 0, so every multi-process
+scenario is its own ``python -m <module>`` invocation. It runs in a new process session, so when rank 0 exits or
+the timeout expires the whole group (every rank) is killed: a hang fails the test instead of stalling CI.
+"""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, NamedTuple, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ScriptResult(NamedTuple):
+    returncode: int
+    output: str
+    seconds: float
+    timed_out: bool
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def run_module(
+    module: str,
+    args: List[str],
+    timeout: float = 120,
+    grace: float = 15,
+    env: Optional[Dict[str, str]] = None,
+) -> ScriptResult:
+    """Run ``python -m module *args`` from the repository root; kill every rank on timeout or after rank 0 exits.
+
+    ``grace`` is how long the other ranks may outlive rank 0 before they are killed.
+    """
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env.update(env or {})
+    # Ranks >= 1 inherit these descriptors; a file (not a pipe) never blocks them and needs no reader thread.
+    with tempfile.TemporaryFile("w+") as log:
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        deadline = time.monotonic() + (0 if timed_out else grace)
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        seconds = time.monotonic() - start
+        log.seek(0)
+        output = log.read()
+    return ScriptResult(proc.returncode, output, seconds, timed_out)
+
+
+def assert_success(result: ScriptResult) -> None:
+    assert not result.timed_out, f"timed out after {result.seconds:.0f}s; output:\n{result.output[-8000:]}"
+    assert result.returncode == 0, f"exit code {result.returncode}; output:\n{result.output[-8000:]}"

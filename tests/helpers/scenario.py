@@ -1,0 +1,53 @@
+"""Plumbing for multi-process scenario scripts: one ``python -m`` module, many named scenarios.
+
+A script calls :func:`main` with its scenarios; each scenario runs on every rank (Lightning's launcher re-runs the
+same command line for ranks >= 1) and returns a JSON-able dict, which is written to ``<out>/rank<N>.json``. The
+driving test reads the files back with :func:`read_results`, so a rank that died or hung shows up as missing.
+"""
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+Scenario = Callable[[argparse.Namespace], Dict[str, Any]]
+
+
+def global_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    # Before init (or after teardown) Lightning's launcher has already exported the rank for ranks >= 1.
+    return int(os.environ.get("NODE_RANK", 0)) * int(os.environ.get("LOCAL_WORLD_SIZE", 1) or 1) + int(
+        os.environ.get("LOCAL_RANK", 0)
+    )
+
+
+def main(scenarios: Dict[str, Scenario], add_arguments: Callable[[argparse.ArgumentParser], None] = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(scenarios))
+    parser.add_argument("--out", type=Path, required=True, help="folder for rank<N>.json and checkpoints")
+    parser.add_argument("--devices", type=int, default=2)
+    if add_arguments:
+        add_arguments(parser)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = scenarios[args.scenario](args)
+    except BaseException:
+        (args.out / f"rank{global_rank()}.error").write_text(traceback.format_exc())
+        raise
+    rank = global_rank()
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+
+
+def read_results(out: Path, world_size: int) -> List[Dict[str, Any]]:
+    results = []
+    for rank in range(world_size):
+        path = out / f"rank{rank}.json"
+        error = out / f"rank{rank}.error"
+        assert path.exists(), f"rank {rank} wrote no result" + (f":\n{error.read_text()}" if error.exists() else "")
+        results.append(json.loads(path.read_text()))
+    return results
