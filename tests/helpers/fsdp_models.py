@@ -1,5 +1,7 @@
 """LightningModules whose layers are created and wrapped in ``configure_sharded_model``, as Lightning's FSDP docs
 recommend for large models. Used by the CPU FSDP scenarios and the checkpoint-memory benchmark."""
+import contextlib
+import itertools
 from typing import Dict, Optional
 
 import torch
@@ -94,27 +96,22 @@ class FSDPModel(BoringModel):
 
 
 def full_parameters(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """Every rank's copy of the full, unflattened parameters (collective: call on all ranks)."""
+    """Every rank's copy of the full, unflattened parameters and buffers, keyed like ``state_dict()``.
+
+    Collective: call on all ranks. It reads the modules inside ``summon_full_params`` rather than calling
+    ``state_dict()``, so it does not depend on the ``state_dict_on_rank_0_only`` behaviour under test.
+    """
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
-    roots = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel) and m._is_root is not False]
-    with _summon(roots):
-        return {k: v.detach().clone().cpu() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
-
-
-class _summon:
-    def __init__(self, roots):
-        self.contexts = [root.summon_full_params(recurse=True) for root in _outermost(roots)]
-
-    def __enter__(self):
-        for context in self.contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc):
-        for context in reversed(self.contexts):
-            context.__exit__(*exc)
-
-
-def _outermost(instances):
+    instances = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
     inner = {id(m) for outer in instances for m in outer.modules() if m is not outer}
-    return [m for m in instances if id(m) not in inner]
+    with contextlib.ExitStack() as stack:
+        for outermost in (m for m in instances if id(m) not in inner):
+            stack.enter_context(outermost.summon_full_params(recurse=True, volatile=True))
+        named = itertools.chain(module.named_parameters(), module.named_buffers())
+        return {_clean_key(name): tensor.detach().clone().cpu() for name, tensor in named}
+
+
+def _clean_key(name: str) -> str:
+    # FSDP and its FlattenParamsWrapper insert these two levels; state_dict() keys omit them.
+    return ".".join(part for part in name.split(".") if part not in ("_fsdp_wrapped_module", "_fpw_module"))
