@@ -4,11 +4,13 @@ Each scenario runs on every rank and returns a JSON-able dict; tests in ``test_d
 them with a timeout and compare what the ranks report.
 """
 import argparse
-from typing import Any, Dict
+from pathlib import Path
+from typing import Any, Dict, List
 
 import torch
 
 from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning.callbacks import ModelCheckpoint
 from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy
 from tests.helpers.fsdp_models import FSDPModel, full_parameters
 from tests.helpers.scenario import main
@@ -18,7 +20,9 @@ def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]
     kwargs = dict(
         accelerator="cpu",
         devices=args.devices,
-        strategy=CPUFullyShardedStrategy(),
+        strategy=CPUFullyShardedStrategy(
+            state_dict_on_rank_0_only=getattr(args, "rank0_only", "on") == "on", min_num_params=100
+        ),
         max_epochs=1,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -55,5 +59,71 @@ def fit_and_save(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+def count_tensors(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(count_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(count_tensors(v) for v in obj)
+    return 0
+
+
+def compare_file(path: Path, full: Dict[str, torch.Tensor], model_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Load ``path`` into a plain (unsharded) copy of the model, strictly, and compare it with ``full``."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    plain = FSDPModel(**model_kwargs)
+    plain.configure_sharded_model()  # outside enable_wrap, ``wrap`` returns the plain module
+    plain.load_state_dict(checkpoint["state_dict"], strict=True)
+    reloaded = plain.state_dict()
+    return {
+        "keys": sorted(checkpoint["state_dict"]),
+        "has_optimizer_states": "optimizer_states" in checkpoint,
+        "mismatched": sorted(k for k in full if not torch.equal(reloaded[k], full[k])),
+    }
+
+
+def checkpoint_contents(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fit with ModelCheckpoint(save_last, top-2), then save full and weights-only checkpoints; report what each
+    rank held and, on rank 0, how every written file compares with the gathered parameters."""
+    seed_everything(2)
+    model_kwargs = dict(width=16, units=3, wrapping=args.wrapping, extra_before=True, extra_after=True)
+    model = FSDPModel(**model_kwargs)
+    checkpoint_callback = ModelCheckpoint(dirpath=args.out / "ckpts", monitor="val_loss", save_last=True, save_top_k=2)
+    trainer = Trainer(
+        **trainer_kwargs(args, max_epochs=3, enable_checkpointing=True, callbacks=[checkpoint_callback])
+    )
+    trainer.fit(model)
+    trainer.save_checkpoint(args.out / "full.ckpt")
+    trainer.save_checkpoint(args.out / "weights.ckpt", weights_only=True)
+    # Collective calls, on every rank: what would each rank put into a checkpoint?
+    module_state = trainer.strategy.lightning_module_state_dict()
+    dumped = trainer._checkpoint_connector.dump_checkpoint()
+    full = full_parameters(model)
+    result: Dict[str, Any] = {
+        "rank": trainer.global_rank,
+        "module_state_keys": sorted(module_state),
+        "module_state_tensors": count_tensors(module_state),
+        "dumped_state_dict_tensors": count_tensors(dumped["state_dict"]),
+        "full_keys": sorted(full),
+        "fsdp_instances": sum(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()),
+    }
+    trainer.strategy.barrier()
+    if trainer.global_rank == 0:
+        files: List[Path] = [args.out / "full.ckpt", args.out / "weights.ckpt", Path(checkpoint_callback.last_model_path)]
+        result["files"] = {p.name: compare_file(p, full, model_kwargs) for p in files}
+        top_k = sorted(Path(p).name for p in checkpoint_callback.best_k_models)
+        result["top_k"] = top_k
+        result["top_k_loadable"] = all(
+            not compare_file(args.out / "ckpts" / name, {}, model_kwargs)["mismatched"] for name in top_k
+        )
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rank0-only", choices=["on", "off"], default="on", help="state_dict_on_rank_0_only")
+    parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
+
+
 if __name__ == "__main__":
-    main({"fit_and_save": fit_and_save})
+    main({"fit_and_save": fit_and_save, "checkpoint_contents": checkpoint_contents}, add_arguments)

@@ -21,3 +21,36 @@ def test_fit_nested_wrap_and_save_full_checkpoint(tmp_path):
     assert rank0["file_keys"] == rank0["full_param_keys"] == rank1["full_param_keys"]
     assert len(rank0["file_keys"]) == 6
     assert rank0["mismatched"] == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "rank0_only, wrapping", [("on", "wrap"), ("on", "auto_wrap"), ("off", "wrap")], ids=["on-wrap", "on-auto", "off"]
+)
+def test_checkpoint_contents(tmp_path, rank0_only, wrapping):
+    rank0, rank1 = run_scenario("checkpoint_contents", tmp_path, "--rank0-only", rank0_only, "--wrapping", wrapping)
+    expected_keys = rank0["full_keys"]
+    # non-FSDP parameters registered before ("before") and after ("after") the FSDP stack are part of it
+    assert {"before", "after"} <= set(expected_keys)
+    assert rank0["fsdp_instances"] >= 3
+    assert rank0["module_state_keys"] == expected_keys
+    assert rank0["dumped_state_dict_tensors"] == len(expected_keys)
+
+    if rank0_only == "on":
+        # not even the non-FSDP "after" entry survives on rank 1: exactly {}
+        assert rank1["module_state_keys"] == []
+        assert rank1["module_state_tensors"] == rank1["dumped_state_dict_tensors"] == 0
+    else:
+        # upstream behaviour: every rank builds the full state dict
+        assert rank1["module_state_keys"] == expected_keys
+        assert rank1["dumped_state_dict_tensors"] == len(expected_keys)
+
+    # every file rank 0 wrote loads strictly into the unsharded model and equals the gathered parameters
+    files = rank0["files"]
+    assert set(files) == {"full.ckpt", "weights.ckpt", "last.ckpt"}
+    for name, report in files.items():
+        assert report["keys"] == expected_keys, name
+        assert report["mismatched"] == [], name
+    assert files["full.ckpt"]["has_optimizer_states"]
+    assert not files["weights.ckpt"]["has_optimizer_states"]
+    assert len(rank0["top_k"]) == 2 and rank0["top_k_loadable"]
