@@ -1,4 +1,4 @@
-"""`python -m fork_tools export`: a git-am-ready mail that applies to upstream 1.6.5 (pristine wheel tree + CHANGELOG)."""
+"""`python -m fork_tools export`: a git-am mail that applies to upstream 1.6.5 (pristine wheel tree + CHANGELOG)."""
 import os
 import subprocess
 from pathlib import Path
