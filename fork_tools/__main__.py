@@ -25,7 +25,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("export", help="write a `git am`-ready upstream PR for one patch, against upstream 1.6.5")
     p.add_argument("patch", help="patch file name in patches/series")
     p.add_argument("--tests", nargs="*", default=[], help="new test files of ours to include in the PR")
-    p.add_argument("--upstream", type=Path, help="checkout of upstream at tag 1.6.5, to read CHANGELOG.md from")
+    p.add_argument(
+        "--upstream", type=Path, help="checkout of upstream at tag 1.6.5: run `git apply --check` of the output there"
+    )
     p.add_argument("-o", "--output", type=Path, required=True)
 
     args = parser.parse_args(argv)
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
         elif args.command == "refresh":
             print(refresh.refresh(args.patch, subject=args.subject, why=args.why, bug=args.bug))
         elif args.command == "export":
-            print(export.export(args.patch, args.tests, args.output, upstream=args.upstream))
+            print(export.export(args.patch, [Path(t) for t in args.tests], args.output, upstream=args.upstream))
     except BuildError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

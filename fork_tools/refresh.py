@@ -2,8 +2,17 @@
 from pathlib import Path
 from typing import List, Optional
 
-from fork_tools.materialize import inputs_digest, pristine_tree, read_tree, write_tree, fork_version
-from fork_tools.series import PATCH_DIR, SERIES_FILE, Patch, apply_patch, apply_series, read_series, unified_diff
+from fork_tools.materialize import PACKAGE, fork_version, inputs_digest, pristine_tree, read_tree, write_tree
+from fork_tools.series import (
+    PATCH_DIR,
+    Patch,
+    apply_patch,
+    apply_series,
+    in_package,
+    read_series,
+    split_diffs,
+    unified_diff,
+)
 from fork_tools.upstream import ROOT, BuildError, read_pin
 
 NEW_HEADER = """From: pytorch-lightning fsdp fork <fork@users.noreply.github.com>
@@ -16,12 +25,12 @@ Forwarded: no
 """
 
 
-def check(root: Path = ROOT) -> List[str]:
+def check(root: Path = ROOT, patch_dir: Path = PATCH_DIR) -> List[str]:
     """Differences between ``root/pytorch_lightning`` and upstream + series, one line each."""
-    if not (root / "pytorch_lightning").is_dir():
-        return [f"{root / 'pytorch_lightning'} does not exist: run 'python -m fork_tools materialize'"]
+    if not (root / PACKAGE).is_dir():
+        return [f"{root / PACKAGE} does not exist: run 'python -m fork_tools materialize'"]
     expected = pristine_tree()
-    apply_series(expected, read_series())
+    apply_series(expected, read_series(patch_dir))
     actual = read_tree(root)
     problems = []
     for path in sorted(set(expected) | set(actual)):
@@ -34,16 +43,33 @@ def check(root: Path = ROOT) -> List[str]:
     return problems
 
 
-def refresh(name: str, subject: Optional[str] = None, why: Optional[str] = None, bug: Optional[str] = None) -> str:
-    """Record the edits in the tree into patch ``name`` and rewrite the tree from the updated series.
+def _with_kept_diffs(package_diff: str, old: Optional[Patch]) -> str:
+    """``package_diff`` plus the diffs outside the package (CHANGELOG.md ...) of the old patch, in path order."""
+    sections = split_diffs(package_diff)
+    if old is not None:
+        sections += [(path, text) for path, text in split_diffs(old.diff) if not in_package(path)]
+    return "".join(text for _, text in sorted(sections, key=lambda section: section[0]))
+
+
+def refresh(
+    name: str,
+    subject: Optional[str] = None,
+    why: Optional[str] = None,
+    bug: Optional[str] = None,
+    root: Path = ROOT,
+    patch_dir: Path = PATCH_DIR,
+) -> str:
+    """Record the edits in ``root``'s tree into patch ``name`` and rewrite the tree from the updated series.
 
     For a patch already in the series, the edits (tree minus upstream + whole series) are re-applied on top of the
-    series up to that patch, so later patches need not be popped first; they must still apply afterwards.
+    series up to that patch, so later patches need not be popped first; they must still apply afterwards. Diffs of
+    the old patch outside ``pytorch_lightning/`` (its upstream CHANGELOG.md hunk) are kept as they were.
     """
-    series = read_series()
+    series = read_series(patch_dir)
     names = [p.path.name for p in series]
-    disk = read_tree(ROOT)
+    disk = read_tree(root)
     pristine = pristine_tree()
+    old: Optional[Patch] = None
 
     if name in names:
         index = names.index(name)
@@ -52,7 +78,7 @@ def refresh(name: str, subject: Optional[str] = None, why: Optional[str] = None,
         apply_series(full, series)
         edits = unified_diff(full, disk)
         if not edits:
-            raise BuildError(f"no edits in pytorch_lightning/ relative to upstream + series; {name} unchanged")
+            raise BuildError(f"no edits in {PACKAGE}/ relative to upstream + series; {name} unchanged")
         base = dict(pristine)
         apply_series(base, series[:index])
         target = dict(base)
@@ -65,7 +91,6 @@ def refresh(name: str, subject: Optional[str] = None, why: Optional[str] = None,
     else:
         if not subject or not why:
             raise BuildError(f"{name} is a new patch: give --subject and --why (and --bug for the upstream link)")
-        index = len(series)
         base = dict(pristine)
         apply_series(base, series)
         target = disk
@@ -74,16 +99,16 @@ def refresh(name: str, subject: Optional[str] = None, why: Optional[str] = None,
     diff = unified_diff(base, target)
     if not diff:
         raise BuildError(f"{name} would be empty")
-    path = PATCH_DIR / name
-    path.write_text(header + diff)
+    path = patch_dir / name
+    path.write_text(header + _with_kept_diffs(diff, old))
     if name not in names:
-        with open(SERIES_FILE, "a") as f:
+        with open(patch_dir / "series", "a") as f:
             f.write(name + "\n")
 
     # Rebuild the tree from the new series; this also proves every later patch still applies.
-    series = read_series()
+    series = read_series(patch_dir)
     tree = dict(pristine)
     apply_series(tree, series)
     pin = read_pin()
-    write_tree(tree, ROOT, fork_version(pin, series), inputs_digest(pin, series))
-    return f"refreshed {path.relative_to(ROOT)}"
+    write_tree(tree, root, fork_version(pin, series), inputs_digest(pin, series))
+    return f"refreshed {path}"

@@ -3,11 +3,17 @@
 Each file in ``patches/`` is a git-style patch: a mail-like header (``From``, ``Subject``), a body with DEP-3
 style fields (``Description``/``Why``, ``Bug`` or ``Forwarded``), a ``---`` line, then unified diffs with
 ``a/`` and ``b/`` prefixes relative to the upstream repository root. ``patches/series`` lists them in order.
+
+Diffs outside the package: a patch meant for upstream may also carry a ``CHANGELOG.md`` hunk (or any other
+repository file), written against upstream's git tree with ordinary context, so that ``python -m fork_tools
+export`` can hand it over unchanged. The wheel the fork is built from holds only ``pytorch_lightning/``, so
+applying a patch (materialize, check, refresh) skips every diff whose path is not under ``pytorch_lightning/``;
+``refresh`` keeps those diffs verbatim when it rewrites a patch (see ``split_diffs``).
 """
 import difflib
 import re
 from pathlib import Path
-from typing import Dict, Iterable, List, NamedTuple, Optional
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import whatthepatch
 
@@ -18,6 +24,14 @@ SERIES_FILE = PATCH_DIR / "series"
 
 # A tree in memory: posix path relative to the repository root -> file text.
 Tree = Dict[str, str]
+
+
+PACKAGE_PREFIX = "pytorch_lightning/"
+
+
+def in_package(path: str) -> bool:
+    """Whether a repository path lies in the package the build materialises (others exist only upstream)."""
+    return path.startswith(PACKAGE_PREFIX)
 
 
 class Patch(NamedTuple):
@@ -56,6 +70,25 @@ def read_series(patch_dir: Path = PATCH_DIR) -> List[Patch]:
     return [read_patch(patch_dir / name) for name in series_names(patch_dir / "series")]
 
 
+_DIFF_START = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
+
+
+def split_diffs(diff: str) -> List[Tuple[str, str]]:
+    """Split a patch body into ``(path, text)`` per ``diff --git`` section, text kept byte for byte."""
+    starts = list(_DIFF_START.finditer(diff))
+    if diff.strip() and (not starts or starts[0].start() != 0):
+        raise BuildError("patch body must start with a 'diff --git a/<path> b/<path>' line")
+    ends = [m.start() for m in starts[1:]] + [len(diff)]
+    return [(m.group(2), diff[m.start() : end]) for m, end in zip(starts, ends)]
+
+
+def _hunk_header(diff_text: str, number: Optional[int]) -> str:
+    headers = [ln for ln in diff_text.splitlines() if ln.startswith("@@ ")]
+    if number is None or not 1 <= number <= len(headers):
+        return ""
+    return f" at hunk #{number} '{headers[number - 1]}'"
+
+
 def _strip_prefix(path: Optional[str]) -> Optional[str]:
     if path is None or path == "/dev/null":
         return None
@@ -72,18 +105,24 @@ def _join_lines(lines: Iterable[str]) -> str:
 
 
 def apply_patch(tree: Tree, patch: Patch) -> None:
-    """Apply one patch to ``tree`` in place; a hunk that does not match raises a BuildError naming it."""
+    """Apply one patch to ``tree`` in place; a hunk that does not match raises a BuildError naming it.
+
+    Diffs of files outside ``pytorch_lightning/`` are skipped: they target upstream's repository (see above).
+    """
     for diff in whatthepatch.parse_patch(patch.diff):
         old = _strip_prefix(diff.header.old_path)
         new = _strip_prefix(diff.header.new_path)
         target = new or old
+        if target is None or not in_package(target):
+            continue
         if old is not None and old not in tree:
             raise BuildError(f"patch {patch.path.name} does not apply: {old} does not exist in the tree")
         source = tree.get(old, "") if old else ""
         try:
             result = whatthepatch.apply_diff(diff, _split_lines(source))
         except whatthepatch.exceptions.HunkApplyException as err:
-            raise BuildError(f"patch {patch.path.name} does not apply to {target}: {err}") from None
+            where = _hunk_header(diff.text, getattr(err, "hunk", None))
+            raise BuildError(f"patch {patch.path.name} does not apply to {target}{where}: {err}") from None
         if new is None:
             tree.pop(old, None)
             continue
