@@ -193,3 +193,14 @@ def test_torch_checkpoint_io_loads_with_mmap(tmp_path, load_calls):
     assert load_calls[0][1]["mmap"] is True
     with pytest.raises(FileNotFoundError):
         TorchCheckpointIO().load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_load_mmap_not_on_windows(tmp_path, load_calls, monkeypatch):
+    """Windows cannot replace a mapped file, so the next save over the resumed checkpoint would fail."""
+    path = tmp_path / "model.ckpt"
+    atomic_save(_checkpoint(), path)
+    monkeypatch.setattr(cloud_io.os, "name", "nt")
+    loaded = pl_load(path, mmap=True)
+    monkeypatch.undo()
+    _assert_equal(loaded, _checkpoint())
+    assert "mmap" not in load_calls[0][1]
