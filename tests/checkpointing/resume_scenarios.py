@@ -1,0 +1,114 @@
+"""Multi-process resume scenarios on CPU (2 ranks over gloo), run as ``python -m tests.checkpointing.resume_scenarios``.
+
+Each scenario runs on every rank and returns a JSON-able dict (see :mod:`tests.helpers.scenario`); the driving tests
+are in ``test_resume_multiprocess.py``.
+"""
+import argparse
+import copy
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+from pytorch_lightning import Callback, Trainer, seed_everything
+from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
+from tests.helpers.boring_model import BoringModel
+from tests.helpers.scenario import main
+
+
+class AdamModel(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.layer.parameters(), lr=0.01)
+
+
+def _trainer(args: argparse.Namespace, **overrides: Any) -> Trainer:
+    kwargs = dict(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp",
+        max_steps=3,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=str(args.out),
+    )
+    kwargs.update(overrides)
+    return Trainer(**kwargs)
+
+
+def _mapped_from(tensor: torch.Tensor, path: Path) -> bool:
+    address = tensor.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and Path(fields[5]) == path.resolve():
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return True
+    return False
+
+
+class RecordingCheckpointIO(TorchCheckpointIO):
+    """Reports whether every tensor of the loaded checkpoint is a view of the file."""
+
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage) -> Dict[str, Any]:
+        checkpoint = super().load_checkpoint(path, map_location=map_location)
+        tensors = list(checkpoint["state_dict"].values())
+        for state in checkpoint["optimizer_states"][0]["state"].values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        self.mapped = [_mapped_from(t, Path(path)) for t in tensors]
+        return checkpoint
+
+
+class RecordOnTrainStart(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.state_dict = copy.deepcopy(pl_module.state_dict())
+        self.optimizer_state = copy.deepcopy(trainer.optimizers[0].state_dict())
+
+
+def _mismatches(actual: Any, expected: Any, prefix: str = "") -> list:
+    if isinstance(expected, torch.Tensor):
+        ok = isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype and torch.equal(actual, expected)
+        return [] if ok else [prefix]
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [prefix + "/<keys>"]
+        return [m for k in expected for m in _mismatches(actual[k], expected[k], f"{prefix}/{k}")]
+    if isinstance(expected, (list, tuple)):
+        if len(actual) != len(expected):
+            return [prefix + "/<len>"]
+        return [m for i, (a, e) in enumerate(zip(actual, expected)) for m in _mismatches(a, e, f"{prefix}/{i}")]
+    return [] if actual == expected else [prefix]
+
+
+def ddp_resume(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fit, save (rank 0 streams the file), then resume on every rank through a memory-mapped load."""
+    seed_everything(1)
+    path = args.out / "model.ckpt"
+    trainer = _trainer(args)
+    trainer.fit(AdamModel())
+    trainer.save_checkpoint(path)
+    trainer.strategy.barrier()
+
+    checkpoint_io = RecordingCheckpointIO()
+    record = RecordOnTrainStart()
+    resumed = AdamModel()
+    trainer = _trainer(args, max_steps=5, callbacks=[record], plugins=[checkpoint_io])
+    trainer.fit(resumed, ckpt_path=str(path))
+
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    return {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "mapped": checkpoint_io.mapped,
+        "model_mismatches": _mismatches(record.state_dict, saved["state_dict"]),
+        "optimizer_mismatches": _mismatches(record.optimizer_state, saved["optimizer_states"][0]),
+        "optimizer_state_tensors": sum(len(s) for s in saved["optimizer_states"][0]["state"].values()),
+        "stray_files": sorted(p.name for p in args.out.iterdir() if p.name.endswith(".tmp")),
+    }
+
+
+if __name__ == "__main__":
+    main({"ddp_resume": ddp_resume})
