@@ -137,8 +137,9 @@ def main(argv: List[str] = None) -> int:
         "devices": args.devices,
         "configs": args.configs,
         "configurations": {c.name: c.description for c in registry.CONFIGS if c.name in args.configs},
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cpus()} CPUs, {_memory_gb():.0f} GB RAM",
+        "machine": f"{platform.machine()}, {_cpu_model()}, {_cpus()} CPUs, {_memory_gb():.0f} GB RAM",
         "python": platform.python_version(),
+        "versions": _versions(),
         "malloc_mmap_threshold": MMAP_THRESHOLD,
         "seconds": time.monotonic() - start,
     }
@@ -154,6 +155,32 @@ def main(argv: List[str] = None) -> int:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _versions() -> Dict[str, str]:
+    from importlib import metadata
+
+    versions = {}
+    for name in ("torch", "fairscale"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "missing"
+    import pytorch_lightning
+
+    versions["pytorch_lightning"] = pytorch_lightning.__version__
+    return versions
 
 
 def _cpus() -> int:

@@ -160,3 +160,10 @@ def plot(runs: List[Dict[str, Any]], path: Path, title: str = "") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    # ``python -m benchmarks.report RESULT.json``: the markdown table used in docs/checkpoint_memory.md.
+    import sys
+
+    print(markdown_table(json.loads(Path(sys.argv[1]).read_text())["runs"]))
