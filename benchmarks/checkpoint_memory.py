@@ -90,7 +90,8 @@ def run_one(config: str, world_size: int, args: argparse.Namespace, out: Path) -
     if result.timed_out or result.returncode != 0 or missing:
         why = "timed out" if result.timed_out else f"exit code {result.returncode}"
         errors = [p.read_text() for p in sorted(run_dir.glob("rank*.error"))]
-        detail = errors[0].strip().splitlines()[-1] if errors else result.output.strip().splitlines()[-1:]
+        lines = (errors[0] if errors else result.output).strip().splitlines()
+        detail = lines[-1] if lines else "no output"
         print(f"  {config} N={world_size}: FAILED ({why}, ranks without result {missing}): {detail}", flush=True)
         print(result.output[-4000:], file=sys.stderr)
         return report.failed_run(config, world_size, args.size_mb, f"{why}; missing ranks {missing}; {detail}")
