@@ -1,0 +1,203 @@
+"""Checkpoint memory benchmark: ``python -m benchmarks.checkpoint_memory [--devices 2,4] [--size-mb 256] ...``.
+
+For each world size N and each configuration (see ``benchmarks/configs.py``) it starts N ranks of
+``python -m benchmarks.worker`` (Lightning's launcher starts ranks >= 1), with ``MALLOC_MMAP_THRESHOLD_=65536`` in
+their environment and every rank bounded by a timeout. Each rank measures the extra anonymous memory (RssAnon peak
+minus baseline) and wall time of ``trainer.save_checkpoint`` and of resuming with ``fit(ckpt_path=...)`` in a fresh
+Trainer; rank 0 checks the file against the gathered parameters. Prints a table (per-rank rows and node totals, MiB
+and x S), and optionally writes JSON (``--json``) and a plot (``--plot``). Exits non-zero when any run fails its check.
+"""
+import argparse
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+from benchmarks import configs as registry
+from benchmarks import report
+
+MMAP_THRESHOLD = "65536"
+
+
+def parse_devices(text: str) -> List[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--devices expects positive integers such as 2 or 2,4, got {text!r}")
+    return values
+
+
+def parse_configs(text: str) -> List[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [n for n in names if n not in registry.names()]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown configuration(s) {unknown}; known: {', '.join(registry.names())}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint_memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=parse_devices, default=[2], help="world size, or a list such as 2,4")
+    parser.add_argument("--size-mb", type=float, default=256, help="full fp32 state-dict size S in MiB")
+    parser.add_argument("--units", type=int, default=16, help="number of FSDP-wrapped blocks K")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument(
+        "--configs", type=parse_configs, default=registry.names(), help=f"comma list of {', '.join(registry.names())}"
+    )
+    parser.add_argument("--accelerator", choices=["auto", "cpu", "gpu"], default="auto",
+                        help="gpu: real CUDA/NCCL with DDPFullyShardedStrategy; auto picks gpu when >= N GPUs")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
+    parser.add_argument("--out", type=Path, help="folder for checkpoints and rank results (default: a temp dir, removed)")
+    parser.add_argument("--timeout", type=float, help="seconds per run, all ranks (default: scales with S and N)")
+    return parser
+
+
+def resolve_accelerator(choice: str, world_size: int) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "gpu" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+
+
+def run_one(config: str, world_size: int, args: argparse.Namespace, out: Path) -> Dict[str, Any]:
+    from tests.helpers.multiprocess import run_module
+
+    run_dir = out / f"{config}-n{world_size}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    accelerator = resolve_accelerator(args.accelerator, world_size)
+    worker_args = [
+        "--config", config, "--out", str(run_dir), "--devices", str(world_size), "--size-mb", str(args.size_mb),
+        "--units", str(args.units), "--optimizer", args.optimizer, "--accelerator", accelerator,
+    ]
+    env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **registry.by_name(config).env}
+    timeout = args.timeout or 180 + 1.0 * args.size_mb * world_size
+    result = run_module("benchmarks.worker", worker_args, timeout=timeout, env=env)
+    (run_dir / "output.log").write_text(result.output)
+    ranks, missing = [], []
+    for rank in range(world_size):
+        path = run_dir / f"rank{rank}.json"
+        if path.exists():
+            import json
+
+            ranks.append(json.loads(path.read_text()))
+        else:
+            missing.append(rank)
+    if result.timed_out or result.returncode != 0 or missing:
+        why = "timed out" if result.timed_out else f"exit code {result.returncode}"
+        errors = [p.read_text() for p in sorted(run_dir.glob("rank*.error"))]
+        lines = (errors[0] if errors else result.output).strip().splitlines()
+        detail = lines[-1] if lines else "no output"
+        print(f"  {config} N={world_size}: FAILED ({why}, ranks without result {missing}): {detail}", flush=True)
+        print(result.output[-4000:], file=sys.stderr)
+        return report.failed_run(config, world_size, args.size_mb, f"{why}; missing ranks {missing}; {detail}")
+    run = report.make_run(config, world_size, ranks)
+    run["wall_seconds"] = result.seconds
+    for path in run_dir.glob("*.ckpt"):
+        path.unlink()  # keep --out small: the checkpoints are S-sized and only needed inside the run
+    return run
+
+
+def main(argv: List[str] = None) -> int:
+    args = build_parser().parse_args(argv)
+    temp = None
+    if args.out is None:
+        temp = tempfile.mkdtemp(prefix="checkpoint_memory-")
+        out = Path(temp)
+    else:
+        out = args.out
+        out.mkdir(parents=True, exist_ok=True)
+    runs: List[Dict[str, Any]] = []
+    total = len(args.devices) * len(args.configs)
+    start = time.monotonic()
+    try:
+        for world_size in args.devices:
+            for config in args.configs:
+                print(f"[{len(runs) + 1}/{total}] {config}, N={world_size}, S={args.size_mb:g} MiB, K={args.units},"
+                      f" {args.optimizer}: running...", flush=True)
+                run = run_one(config, world_size, args, out)
+                runs.append(run)
+                if run["ranks"]:
+                    print(f"[{len(runs)}/{total}] {config}, N={world_size}: node save +{run['node_save_peak_extra_mb']:.1f} MiB"
+                          f" ({run['node_save_x_s']:.2f} x S), resume +{run['node_load_peak_extra_mb']:.1f} MiB"
+                          f" ({run['node_load_x_s']:.2f} x S), ok={run['ok']}, {run['wall_seconds']:.0f} s", flush=True)
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    print()
+    print(report.table(runs))
+    meta = {
+        "command": "python -m benchmarks.checkpoint_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "size_mb": args.size_mb,
+        "units": args.units,
+        "optimizer": args.optimizer,
+        "devices": args.devices,
+        "configs": args.configs,
+        "configurations": {c.name: c.description for c in registry.CONFIGS if c.name in args.configs},
+        "machine": f"{platform.machine()}, {_cpu_model()}, {_cpus()} CPUs, {_memory_gb():.0f} GB RAM",
+        "python": platform.python_version(),
+        "versions": _versions(),
+        "malloc_mmap_threshold": MMAP_THRESHOLD,
+        "seconds": time.monotonic() - start,
+    }
+    if args.json:
+        report.write_json(runs, args.json, meta)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(runs, args.plot, title=f"Extra host memory per node, S = {args.size_mb:g} MiB, K = {args.units},"
+                    f" {args.optimizer}")
+        print(f"wrote {args.plot}")
+    failed = [f"{r['config']} N={r['world_size']}" for r in runs if not r["ok"]]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _versions() -> Dict[str, str]:
+    from importlib import metadata
+
+    versions = {}
+    for name in ("torch", "fairscale"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "missing"
+    import pytorch_lightning
+
+    versions["pytorch_lightning"] = pytorch_lightning.__version__
+    return versions
+
+
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+def _memory_gb() -> float:
+    try:
+        import psutil
+
+        return psutil.virtual_memory().total / 1024**3
+    except ImportError:
+        return 0.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
