@@ -72,7 +72,8 @@ def run_one(config: str, world_size: int, args: argparse.Namespace, out: Path) -
     accelerator = resolve_accelerator(args.accelerator, world_size)
     worker_args = [
         "--config", config, "--out", str(run_dir), "--devices", str(world_size), "--size-mb", str(args.size_mb),
-        "--units", str(args.units), "--optimizer", args.optimizer, "--accelerator", accelerator,
+        "--units", str(args.units), "--optimizer", registry.by_name(config).optimizer or args.optimizer,
+        "--accelerator", accelerator,
     ]
     env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **registry.by_name(config).env}
     timeout = args.timeout or 180 + 1.0 * args.size_mb * world_size
@@ -118,7 +119,7 @@ def main(argv: List[str] = None) -> int:
         for world_size in args.devices:
             for config in args.configs:
                 print(f"[{len(runs) + 1}/{total}] {config}, N={world_size}, S={args.size_mb:g} MiB, K={args.units},"
-                      f" {args.optimizer}: running...", flush=True)
+                      f" {registry.by_name(config).optimizer or args.optimizer}: running...", flush=True)
                 run = run_one(config, world_size, args, out)
                 runs.append(run)
                 if run["ranks"]:

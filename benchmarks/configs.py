@@ -3,11 +3,13 @@
 Adding a configuration is one entry in :data:`CONFIGS`. A configuration maps to the keyword arguments of
 ``DDPFullyShardedStrategy`` and, where it needs one, a ``CheckpointIO`` and extra environment variables for the ranks.
 
-Hook for later configurations: ``checkpoint_io`` names a ``CheckpointIO`` class as ``"module:Class"`` (built with no
-arguments in every rank and passed as ``strategy(checkpoint_io=...)``). Once the fork's defaults change how files are
-written or read (streaming save, mmap load), ``upstream`` must keep upstream 1.6.5's I/O: give it a small class in
-``benchmarks/`` that reproduces upstream's ``atomic_save`` (``torch.save`` into a ``BytesIO``, then one write) and
-plain ``torch.load``, and set ``checkpoint_io`` here. Until then upstream's I/O *is* the default, so none is set.
+``checkpoint_io`` names a ``CheckpointIO`` class as ``"module:Class"`` (built with no arguments in every rank and
+passed as ``strategy(checkpoint_io=...)``). The fork's defaults stream saves into a temporary file and memory-map
+checkpoints on resume (patches 0007 and 0008), so the baselines plug in :mod:`benchmarks.upstream_io`, which does
+upstream 1.6.5's I/O. ``optimizer`` overrides the run's ``--optimizer`` for that configuration.
+
+There are no separate ``stream-save``/``shared-load`` configurations: both are the fork's defaults, so ``fork``
+measures them, and ``rank0-only`` (the upstream PR alone, with upstream's I/O) isolates what they add.
 """
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -20,6 +22,7 @@ class BenchConfig:
     strategy_kwargs: Dict[str, Any] = field(default_factory=dict)
     checkpoint_io: Optional[str] = None
     env: Dict[str, str] = field(default_factory=dict)
+    optimizer: Optional[str] = None
 
     def build_checkpoint_io(self) -> Any:
         if self.checkpoint_io is None:
@@ -30,9 +33,15 @@ class BenchConfig:
         return getattr(importlib.import_module(module), name)()
 
 
+_UPSTREAM_IO = "benchmarks.upstream_io:UpstreamCheckpointIO"
+_UPSTREAM = {"state_dict_on_rank_0_only": False}
+
 CONFIGS: List[BenchConfig] = [
-    BenchConfig("upstream", "upstream 1.6.5 behaviour: full state dict on every rank", {"state_dict_on_rank_0_only": False}),
-    BenchConfig("fork", "the fork's defaults"),
+    BenchConfig("upstream", "upstream 1.6.5: full state dict on every rank, buffered save, plain load", _UPSTREAM, _UPSTREAM_IO),
+    BenchConfig("rank0-only", "the upstream PR alone: state_dict_on_rank_0_only=True, upstream's I/O", {}, _UPSTREAM_IO),
+    BenchConfig("fork", "the fork's defaults: rank-0 state dict, streaming save, mmap-shared resume"),
+    BenchConfig("upstream-adam", "upstream, with Adam", _UPSTREAM, _UPSTREAM_IO, optimizer="adam"),
+    BenchConfig("fork-adam", "the fork's defaults, with Adam", optimizer="adam"),
 ]
 
 

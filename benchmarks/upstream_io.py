@@ -1,0 +1,27 @@
+"""Upstream 1.6.5's checkpoint I/O, for the benchmark's baseline configurations only.
+
+The fork's ``TorchCheckpointIO`` streams saves into a temporary file and memory-maps local files on load. To show
+upstream behaviour side by side in the same run, the ``upstream`` and ``rank0-only`` configurations plug in this
+``CheckpointIO``, which does what 1.6.5 did: serialise the whole checkpoint into an in-memory buffer, write that
+buffer out in one go, and read files back with a plain ``torch.load`` into private memory.
+"""
+import io
+from typing import Any, Callable, Dict, Optional
+
+import fsspec
+import torch
+
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+from pytorch_lightning.utilities.cloud_io import load as pl_load
+from pytorch_lightning.utilities.types import _PATH
+
+
+class UpstreamCheckpointIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        with fsspec.open(str(path), "wb") as f:
+            f.write(buffer.getvalue())  # ``getvalue`` is a second full copy, as upstream's was
+
+    def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage) -> Any:
+        return pl_load(path, map_location=map_location, mmap=False)
