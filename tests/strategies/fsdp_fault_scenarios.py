@@ -126,7 +126,7 @@ def fit_checkpoint_fails(args: argparse.Namespace) -> Dict[str, Any]:
         dirpath=dirpath, monitor="step", mode="max", save_top_k=2, save_last=True, every_n_train_steps=1
     )
     trainer = Trainer(
-        **trainer_kwargs(args, plugins=[FailingCheckpointIO(args, should_fail)], callbacks=[callback])
+        **trainer_kwargs(args, plugins=[FailingCheckpointIO(args, should_fail)], callbacks=[callback], enable_checkpointing=True)
     )
     trainer.fit(model)
     return {"rank": trainer.global_rank, "survived": True}
