@@ -67,15 +67,25 @@ class FailingCheckpointIO(TorchCheckpointIO):
 
 
 class RankFailingLoadIO(TorchCheckpointIO):
-    """Fails ``load_checkpoint`` on one global rank only (e.g. a node that sees a stale or missing file)."""
+    """Records on rank 0 when loading starts, and fails ``load_checkpoint`` on global rank ``rank`` only (e.g. a node
+    that sees a stale or missing file)."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, args: argparse.Namespace, rank: Optional[int] = None) -> None:
+        self.args, self.rank = args, rank
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None) -> Dict[str, Any]:
+        if global_rank() == 0:
+            write_facts(self.args, fault_time=time.time())
         if global_rank() == self.rank:
             raise FileNotFoundError(errno.ENOENT, "injected: checkpoint not visible on this node", str(path))
         return super().load_checkpoint(path, map_location)
+
+
+class PlainModel(BoringModel):
+    """``BoringModel`` without its scheduler (Lightning 1.6 rejects torch 2's ``StepLR`` as not an ``_LRScheduler``)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
 
 
 def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]:
@@ -136,9 +146,8 @@ def resume_bad(args: argparse.Namespace) -> Dict[str, Any]:
     """``fit(ckpt_path=...)`` from the file at ``--ckpt`` (prepared by the test), or with a load that fails on global
     rank 1 only (``--ckpt`` a good checkpoint and ``--fail-load-rank 1``)."""
     seed_everything(1)
-    model = BoringModel()
-    plugins = [RankFailingLoadIO(args.fail_load_rank)] if args.fail_load_rank is not None else []
-    trainer = Trainer(**trainer_kwargs(args, plugins=plugins, max_epochs=2, limit_train_batches=2))
+    model = PlainModel()
+    trainer = Trainer(**trainer_kwargs(args, plugins=[RankFailingLoadIO(args, args.fail_load_rank)], max_epochs=2, limit_train_batches=2))
     trainer.fit(model, ckpt_path=args.ckpt)
     return {"rank": trainer.global_rank, "survived": True, "global_step": trainer.global_step}
 
@@ -147,13 +156,13 @@ def save_good(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit ``BoringModel`` briefly and save a good checkpoint to ``--ckpt``, for the resume scenarios."""
     seed_everything(1)
     trainer = Trainer(**trainer_kwargs(args, limit_train_batches=2))
-    trainer.fit(BoringModel())
+    trainer.fit(PlainModel())
     trainer.save_checkpoint(args.ckpt)
     return {"rank": trainer.global_rank}
 
 
-class BigModel(BoringModel):
-    """``BoringModel`` plus a large buffer, so that writing its checkpoint takes a while."""
+class BigModel(PlainModel):
+    """``PlainModel`` plus a large buffer, so that writing its checkpoint takes a while."""
 
     def __init__(self, megabytes: int) -> None:
         super().__init__()
