@@ -1,4 +1,4 @@
-"""Checkpoint fault scenarios on CPU FSDP (2 ranks over gloo), run as ``python -m tests.strategies.fsdp_fault_scenarios``.
+"""Checkpoint fault scenarios on CPU FSDP (2 ranks over gloo): ``python -m tests.strategies.fsdp_fault_scenarios``.
 
 Each scenario injects one fault into checkpoint saving or loading. Scenarios that are expected to fail let the
 exception escape, so the process exits non-zero; ``tests.helpers.scenario.main`` writes the traceback of each rank to
@@ -135,9 +135,8 @@ def fit_checkpoint_fails(args: argparse.Namespace) -> Dict[str, Any]:
     callback = ModelCheckpoint(
         dirpath=dirpath, monitor="step", mode="max", save_top_k=2, save_last=True, every_n_train_steps=1
     )
-    trainer = Trainer(
-        **trainer_kwargs(args, plugins=[FailingCheckpointIO(args, should_fail)], callbacks=[callback], enable_checkpointing=True)
-    )
+    plugins = [FailingCheckpointIO(args, should_fail)]
+    trainer = Trainer(**trainer_kwargs(args, plugins=plugins, callbacks=[callback], enable_checkpointing=True))
     trainer.fit(model)
     return {"rank": trainer.global_rank, "survived": True}
 
@@ -147,7 +146,8 @@ def resume_bad(args: argparse.Namespace) -> Dict[str, Any]:
     rank 1 only (``--ckpt`` a good checkpoint and ``--fail-load-rank 1``)."""
     seed_everything(1)
     model = PlainModel()
-    trainer = Trainer(**trainer_kwargs(args, plugins=[RankFailingLoadIO(args, args.fail_load_rank)], max_epochs=2, limit_train_batches=2))
+    plugins = [RankFailingLoadIO(args, args.fail_load_rank)]
+    trainer = Trainer(**trainer_kwargs(args, plugins=plugins, max_epochs=2, limit_train_batches=2))
     trainer.fit(model, ckpt_path=args.ckpt)
     return {"rank": trainer.global_rank, "survived": True, "global_step": trainer.global_step}
 

@@ -111,7 +111,8 @@ def make_bad_checkpoint(kind: str, good: Path, path: Path) -> None:
     if kind == "truncated":
         path.write_bytes(data[: len(data) // 2])
     elif kind == "random":
-        path.write_bytes(torch.randint(0, 256, (len(data),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes())
+        generator = torch.Generator().manual_seed(0)
+        path.write_bytes(torch.randint(0, 256, (len(data),), dtype=torch.uint8, generator=generator).numpy().tobytes())
     elif kind == "empty":
         path.write_bytes(b"")
     elif kind == "not_a_checkpoint":
