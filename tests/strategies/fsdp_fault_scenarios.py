@@ -107,16 +107,24 @@ def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]
 
 def save_fails(args: argparse.Namespace) -> Dict[str, Any]:
     """``trainer.save_checkpoint`` twice to the same path; the second write fails on rank 0 (ENOSPC, or a custom
-    CheckpointIO exception with ``--error custom``)."""
+    CheckpointIO exception with ``--error custom``). With ``--error notadir`` the second save goes through the real
+    ``TorchCheckpointIO`` to ``ckpts/blocker/model.ckpt``, where ``blocker`` is a regular file."""
     seed_everything(1)
     model = FSDPModel(width=8, units=2, batches=2)
     error = RuntimeError("injected failure of a custom CheckpointIO") if args.error == "custom" else None
-    io = FailingCheckpointIO(args, lambda n, path: n == 2, error=error)
+    io = FailingCheckpointIO(args, lambda n, path: n == 2 and args.error != "notadir", error=error)
     trainer = Trainer(**trainer_kwargs(args, plugins=[io]))
     trainer.fit(model)
     path = args.out / "ckpts" / "model.ckpt"
     path.parent.mkdir(exist_ok=True)
     trainer.save_checkpoint(path)
+    if args.error == "notadir":
+        trainer.strategy.barrier()
+        blocked = path.parent / "blocker" / "model.ckpt"
+        if trainer.is_global_zero:
+            blocked.parent.write_text("not a directory")
+            write_facts(args, failed_path=str(blocked), before=checkpoint_hashes(path.parent), fault_time=time.time())
+        trainer.save_checkpoint(blocked)
     trainer.save_checkpoint(path)  # fails on rank 0 and must raise on every rank
     return {"rank": trainer.global_rank, "survived": True}
 
@@ -210,7 +218,7 @@ def killed_mid_save(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--error", choices=["enospc", "custom"], default="enospc")
+    parser.add_argument("--error", choices=["enospc", "custom", "notadir"], default="enospc")
     parser.add_argument("--fail-on", choices=["topk", "last"], default="topk")
     parser.add_argument("--ckpt", type=Path)
     parser.add_argument("--fail-load-rank", type=int)

@@ -48,8 +48,15 @@ def assert_every_rank_failed(out: Path, result: ScriptResult, *fragments: str) -
 def time_to_exit(name: str, out: Path, finished: float, result: ScriptResult) -> float:
     """Seconds from the fault (recorded by rank 0 just before it) to the exit of the last rank."""
     facts = read_facts(out)
-    seconds = finished - facts["fault_time"] if "fault_time" in facts else result.seconds
-    print(f"fault scenario {name}: time-to-exit {seconds:.1f}s (whole run {result.seconds:.1f}s)")
+    seconds = finished - facts["fault_time"]
+    errors = [out / f"rank{rank}.error" for rank in range(WORLD_SIZE)]
+    raised = max(p.stat().st_mtime for p in errors if p.exists()) - facts["fault_time"] if any(
+        p.exists() for p in errors
+    ) else float("nan")
+    print(
+        f"fault scenario {name}: time-to-exit {seconds:.1f}s, last rank raised after {raised:.3f}s"
+        f" (whole run {result.seconds:.1f}s)"
+    )
     # a rank that hangs is only killed GRACE seconds after rank 0 exits, which is more than the bound
     assert seconds < MAX_EXIT_SECONDS, f"{name}: ranks took {seconds:.0f}s to exit:\n{result.output[-8000:]}"
     return seconds
@@ -65,14 +72,19 @@ def hashes(folder: Path) -> Dict[str, str]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("error", ["enospc", "custom"])
+@pytest.mark.parametrize("error", ["enospc", "custom", "notadir"])
 def test_failed_save_stops_every_rank_and_keeps_previous_checkpoint(tmp_path, error):
-    """``trainer.save_checkpoint`` whose write fails on rank 0 (``OSError(ENOSPC)``, or any exception of a custom
-    ``CheckpointIO``) raises on both ranks; the previous file at the same path is byte-identical."""
+    """``trainer.save_checkpoint`` whose write fails on rank 0 (``OSError(ENOSPC)``, any exception of a custom
+    ``CheckpointIO``, or a real ``OSError`` of the default ``TorchCheckpointIO`` when the directory cannot be created)
+    raises on both ranks; the previous file at the same path is byte-identical."""
     result = run_faulty("save_fails", tmp_path, "--error", error)
     finished = time.time()
-    path = str(tmp_path / "ckpts" / "model.ckpt")
-    cause = "No space left on device" if error == "enospc" else "injected failure of a custom CheckpointIO"
+    path = str(tmp_path / "ckpts" / ("blocker/model.ckpt" if error == "notadir" else "model.ckpt"))
+    cause = {
+        "enospc": "No space left on device",
+        "custom": "injected failure of a custom CheckpointIO",
+        "notadir": "Error",  # FileExistsError or NotADirectoryError, depending on fsspec
+    }[error]
     rank0, rank1 = assert_every_rank_failed(tmp_path, result, "CheckpointError", path, cause)
     assert "failed on global rank 0" in rank1
     time_to_exit(f"save_fails[{error}]", tmp_path, finished, result)
