@@ -1,0 +1,106 @@
+"""Single-process checks of CheckpointError (patch 0006); the 2-rank fault scenarios are in
+tests/strategies/test_ddp_fully_sharded_faults.py."""
+import errno
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+from pytorch_lightning import Trainer
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+from pytorch_lightning.trainer.connectors.checkpoint_connector import CheckpointConnector
+from pytorch_lightning.utilities.exceptions import CheckpointError
+from tests.helpers.boring_model import BoringModel
+
+
+class Model(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
+
+
+class FullDiskIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _trainer(tmp_path, **kwargs):
+    defaults = dict(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return Trainer(**{**defaults, **kwargs})
+
+
+def test_failed_save_raises_checkpoint_error_naming_the_path(tmp_path):
+    trainer = _trainer(tmp_path, plugins=[FullDiskIO()])
+    trainer.fit(Model())
+    path = tmp_path / "model.ckpt"
+    with pytest.raises(CheckpointError, match="Saving the checkpoint to .*model.ckpt.* failed: OSError") as info:
+        trainer.save_checkpoint(path)
+    assert isinstance(info.value.__cause__, OSError)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "random", "truncated", "not_a_checkpoint", "wrong_keys"])
+def test_bad_checkpoint_on_resume_raises_checkpoint_error_naming_the_path(tmp_path, kind):
+    good = tmp_path / "good.ckpt"
+    trainer = _trainer(tmp_path)
+    trainer.fit(Model())
+    trainer.save_checkpoint(good)
+    bad = tmp_path / f"{kind}.ckpt"
+    data = good.read_bytes()
+    if kind == "empty":
+        bad.write_bytes(b"")
+    elif kind == "random":
+        bad.write_bytes(os.urandom(len(data)))
+    elif kind == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    elif kind == "not_a_checkpoint":
+        torch.save([1, 2, 3], bad)
+    elif kind == "wrong_keys":
+        checkpoint = torch.load(good, weights_only=False)
+        checkpoint["state_dict"] = {"encoder." + k: v for k, v in checkpoint["state_dict"].items()}
+        torch.save(checkpoint, bad)
+    model = Model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(tmp_path, max_epochs=2)
+    with pytest.raises(CheckpointError, match=f"Loading the .*{kind}.ckpt.* failed"):
+        trainer.fit(model, ckpt_path=str(bad))
+    assert trainer.global_step == 0
+    # no partial load either
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _connector(rank, failed_ranks, world_size=2):
+    trainer = mock.Mock(world_size=world_size, global_rank=rank)
+    trainer.strategy.root_device = torch.device("cpu")
+    trainer.strategy.all_gather.side_effect = lambda t: torch.tensor([int(r in failed_ranks) for r in range(2)])
+    messages = {0: "OSError: [Errno 28] No space left on device", 1: "ValueError: boom"}
+    trainer.strategy.broadcast.side_effect = lambda obj, src: messages[src]
+    return CheckpointConnector(trainer)
+
+
+@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_connector.distributed_available", return_value=True)
+def test_failure_on_one_rank_raises_on_every_rank(_):
+    # rank 1 did not fail, rank 0 did: rank 1 raises with rank 0's message
+    with pytest.raises(CheckpointError, match="'x.ckpt' failed on global rank 0: OSError.*No space left") as info:
+        connector = _connector(rank=1, failed_ranks=[0])
+        connector._raise_on_all_ranks_if_any_failed(None, "Saving the checkpoint to 'x.ckpt'")
+    assert info.value.__cause__ is None
+    # the failing rank chains its own error
+    error = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(CheckpointError, match="failed on global rank 0") as info:
+        _connector(rank=0, failed_ranks=[0, 1])._raise_on_all_ranks_if_any_failed(error, "Saving")
+    assert info.value.__cause__ is error
+    assert "also failed on global ranks [1]" in str(info.value)
+    # nobody failed: no error, and no broadcast
+    connector = _connector(rank=1, failed_ranks=[])
+    connector._raise_on_all_ranks_if_any_failed(None, "Saving")
+    connector.trainer.strategy.broadcast.assert_not_called()
