@@ -104,3 +104,24 @@ def test_failure_on_one_rank_raises_on_every_rank(_):
     connector = _connector(rank=1, failed_ranks=[])
     connector._raise_on_all_ranks_if_any_failed(None, "Saving")
     connector.trainer.strategy.broadcast.assert_not_called()
+
+
+@pytest.mark.parametrize("strategy_name, collective", [("ddp", False), ("fsdp", True)])
+@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_connector.distributed_available", return_value=True)
+def test_save_is_collective_only_where_saving_already_is(_, strategy_name, collective):
+    """FSDP gathers the state on every rank, so the save ends with the failure-flag collective; plain DDP allows
+    ``trainer.save_checkpoint`` on rank 0 alone, where that collective would hang."""
+    from pytorch_lightning.strategies import DDPFullyShardedStrategy, DDPStrategy
+
+    connector = _connector(rank=0, failed_ranks=[])
+    strategy_cls = DDPFullyShardedStrategy if strategy_name == "fsdp" else DDPStrategy
+    connector.trainer.strategy.__class__ = type("Spec", (strategy_cls,), {})
+    connector.trainer.strategy.save_checkpoint = mock.Mock()
+    with mock.patch.object(connector, "dump_checkpoint", return_value={}):
+        connector.save_checkpoint("x.ckpt")
+    assert connector.trainer.strategy.all_gather.called is collective
+    # a failing write raises the CheckpointError either way
+    connector.trainer.strategy.save_checkpoint.side_effect = OSError(errno.ENOSPC, "No space left on device")
+    connector.trainer.strategy.all_gather.side_effect = lambda t: torch.tensor([1, 0])
+    with mock.patch.object(connector, "dump_checkpoint", return_value={}), pytest.raises(CheckpointError, match="x.ckpt"):
+        connector.save_checkpoint("x.ckpt")
