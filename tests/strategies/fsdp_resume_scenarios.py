@@ -57,7 +57,7 @@ def make_model(args: argparse.Namespace, **overrides: Any) -> ResumeModel:
 
 def make_trainer(args: argparse.Namespace, max_epochs: int, **strategy_kwargs: Any) -> Trainer:
     return Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=CPUFullyShardedStrategy(**strategy_kwargs),
         max_epochs=max_epochs,
@@ -174,6 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--case", default=None, choices=["param_groups", "no_flatten", "outside_param"])
 
 
