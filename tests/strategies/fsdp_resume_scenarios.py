@@ -120,6 +120,52 @@ def consolidate(args: argparse.Namespace) -> Dict[str, Any]:
     return {"rank": trainer.global_rank, "full_keys": sorted(full), "local_state_unchanged": unchanged}
 
 
+def memory(args: argparse.Namespace) -> Dict[str, Any]:
+    """Peak host-memory growth of each rank while the optimizer state is consolidated (Adam, larger layers)."""
+    import gc
+    import threading
+    import time
+
+    import psutil
+
+    seed_everything(7)
+    model = make_model(args, width=args.width, units=4, batches=1)
+    trainer = make_trainer(args, max_epochs=1)
+    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+    trainer.fit(model)
+    gc.collect()
+    process = psutil.Process()
+    baseline = process.memory_info().rss
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    full = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    done.set()
+    sampler.join()
+    peak[0] = max(peak[0], process.memory_info().rss)
+    mib = 2**20
+    unit_params = args.width * args.width + args.width
+    local_state = sum(
+        t.numel() * t.element_size() for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim()
+    )
+    return {
+        "rank": trainer.global_rank,
+        "growth_mib": (peak[0] - baseline) / mib,
+        "unit_params_mib": unit_params * 4 / mib,
+        "unit_with_adam_state_mib": 3 * unit_params * 4 / mib,
+        "full_adam_state_mib": 2 * 4 * unit_params * 4 / mib,
+        "local_adam_state_mib": local_state / mib,
+        "full_keys": sorted(full),
+    }
+
+
 def misuse(args: argparse.Namespace) -> Dict[str, Any]:
     """A misconfiguration that FairScale cannot consolidate: the first checkpoint must raise a clear error."""
     seed_everything(7)
@@ -174,6 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--case", default=None, choices=["param_groups", "no_flatten", "outside_param"])
 
@@ -184,6 +231,7 @@ if __name__ == "__main__":
             "fit": fit,
             "consolidate": consolidate,
             "misuse": misuse,
+            "memory": memory,
             "make_legacy": make_legacy,
             "resume_legacy": resume_legacy,
         },
