@@ -209,3 +209,26 @@ def test_resume_reshards_optimizer_state_multi_gpu(tmp_path):
     state = rank_state(tmp_path / "load", 0)
     assert_same(state["params"], dict(checkpoint["state_dict"]), "params")
     assert_same(local_shards(state["optim"][0]), expected_shards(checkpoint["optimizer_states"][0], 1, 0), "shard")
+
+
+@pytest.mark.timeout(240)
+def test_consolidation_memory_on_other_ranks(tmp_path):
+    """Only global rank 0 grows by the full optimizer state; rank 1 needs no more than the gather buffers of one FSDP
+    unit (issue bound: 2 x one unit with its optimizer state + 5% of model and optimizer state).
+
+    glibc is told to return freed large blocks to the OS, so that the RSS peak measures live memory rather than
+    what the allocator keeps cached between the per-unit gathers.
+    """
+    result = run_module(
+        SCENARIOS,
+        ["memory", "--out", str(tmp_path), "--optimizer", "adam", "--width", "1024"],
+        timeout=180,
+        env={"MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
+    assert_success(result)
+    rank0, rank1 = read_results(tmp_path, 2)
+    model_mib = 4 * rank0["unit_params_mib"]
+    bound = 2 * rank1["unit_with_adam_state_mib"] + 0.05 * (model_mib + rank1["full_adam_state_mib"])
+    assert rank1["growth_mib"] <= bound, (rank1, bound)
+    assert rank1["growth_mib"] < rank1["full_adam_state_mib"] / 2  # no full copy, not even of one state tensor
+    assert rank0["growth_mib"] >= rank0["full_adam_state_mib"]  # the consolidated state lives on rank 0
