@@ -36,6 +36,12 @@ class ResumeModel(FSDPModel):
     def training_step(self, batch, batch_idx):
         return super().training_step(batch[0], batch_idx)
 
+    def validation_step(self, batch, batch_idx):
+        return super().validation_step(batch[0], batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        return super().test_step(batch[0], batch_idx)
+
     def lr_scheduler_step(self, scheduler, optimizer_idx, metric) -> None:
         # Lightning 1.6 only recognises ``torch.optim.lr_scheduler._LRScheduler`` subclasses, which recent torch
         # schedulers no longer are.
@@ -107,11 +113,12 @@ def consolidate(args: argparse.Namespace) -> Dict[str, Any]:
     model = make_model(args)
     trainer = make_trainer(args, max_epochs=1)
     trainer.fit(model)
-    before = [{k: {n: t.clone() for n, t in v.items()} for k, v in s["state"].items()} for s in local_optimizer_states(trainer)]
+    before = [{k: dict(v) for k, v in s["state"].items()} for s in local_optimizer_states(trainer)]
+    before = [{k: {n: t.clone() for n, t in v.items()} for k, v in s.items()} for s in before]
     full = trainer.strategy.optimizer_state(trainer.optimizers[0])
-    after = local_optimizer_states(trainer)
+    after = local_optimizer_states(trainer)[0]["state"]
     unchanged = all(
-        torch.equal(torch.as_tensor(after[0]["state"][k][n]), torch.as_tensor(t)) and type(after[0]["state"][k][n]) is type(t)
+        type(after[k][n]) is type(t) and torch.equal(torch.as_tensor(after[k][n]), torch.as_tensor(t))
         for k, v in before[0].items()
         for n, t in v.items()
     )
@@ -164,6 +171,15 @@ def memory(args: argparse.Namespace) -> Dict[str, Any]:
         "local_adam_state_mib": local_state / mib,
         "full_keys": sorted(full),
     }
+
+
+def test_from_checkpoint(args: argparse.Namespace) -> Dict[str, Any]:
+    """``trainer.test(ckpt_path=...)`` restores the weights of a model built in ``configure_sharded_model``."""
+    seed_everything(8)  # a different initialisation than the saved model's
+    model = make_model(args)
+    trainer = make_trainer(args, max_epochs=1)
+    trainer.test(model, ckpt_path=args.ckpt, verbose=False)
+    return report(args, trainer, model)
 
 
 def misuse(args: argparse.Namespace) -> Dict[str, Any]:
@@ -232,6 +248,7 @@ if __name__ == "__main__":
             "consolidate": consolidate,
             "misuse": misuse,
             "memory": memory,
+            "test_from_checkpoint": test_from_checkpoint,
             "make_legacy": make_legacy,
             "resume_legacy": resume_legacy,
         },

@@ -143,6 +143,17 @@ def test_resume_reshards_optimizer_state(tmp_path, save_devices, load_devices):
         assert_same(local_shards(state["optim"][0]), expected_shards(full_state, load_devices, rank), f"rank {rank}")
 
 
+@pytest.mark.timeout(420)
+def test_test_from_checkpoint_restores_sharded_model(tmp_path):
+    """Restoring after setup also serves ``trainer.test(ckpt_path=...)``, where no optimizer exists."""
+    run_scenario("fit", tmp_path / "save", "--epochs", "1")
+    ckpt_path = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
+    run_scenario("test_from_checkpoint", tmp_path / "load", "--ckpt", str(ckpt_path))
+    checkpoint = load_checkpoint(ckpt_path)
+    for rank in range(2):
+        assert_same(rank_state(tmp_path / "load", rank)["params"], dict(checkpoint["state_dict"]), f"rank {rank}")
+
+
 @pytest.mark.timeout(240)
 def test_full_optimizer_state_only_on_rank_zero(tmp_path):
     rank0, rank1 = run_scenario("consolidate", tmp_path, "--optimizer", "adam")
