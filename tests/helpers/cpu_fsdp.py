@@ -17,6 +17,11 @@ checkpoint files. Exactly what is emulated, and why:
 5. gloo's ``_reduce_scatter_base``/``_all_gather_base`` reject FairScale's 2-D inputs, so
    ``enable_nccl_base_collectives`` is turned off in FSDP and in the reduce-scatter bucketer; FairScale then uses
    the list-based collectives, which gloo supports.
+6. ``gather_full_optim_state_dict`` all-gathers every optimizer state tensor of an FSDP instance into one reused
+   buffer and keeps ``[x.cpu() for x in buffer]`` on rank 0; with CUDA tensors ``.cpu()`` copies, on CPU it
+   returns the buffer itself, so every state tensor (``exp_avg``, ``exp_avg_sq``) would alias the last one
+   gathered. While ``_gather_optim_state`` runs, the ``all_gather`` FSDP calls gathers CPU tensors into fresh
+   output tensors instead (elsewhere FSDP gathers into views of the full parameter, which must stay).
 
 :func:`install` applies 2-5 once per process; the strategy calls it, so a script only has to use the strategy.
 On a machine with CUDA nothing is patched and the strategy behaves exactly like its parent.
@@ -46,6 +51,18 @@ def install() -> None:
 
     fsdp.enable_nccl_base_collectives = False
     bucketer.enable_nccl_base_collectives = False
+    fresh_dist = _FreshCPUOutputsDist(fsdp.dist)
+    fsdp.dist = fresh_dist
+    original_gather_optim_state = fsdp.FullyShardedDataParallel._gather_optim_state
+
+    def _gather_optim_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fresh_dist.active = True
+        try:
+            return original_gather_optim_state(self, *args, **kwargs)
+        finally:
+            fresh_dist.active = False
+
+    fsdp.FullyShardedDataParallel._gather_optim_state = _gather_optim_state
 
     original_default_device = fsdp._get_default_cuda_device
 
@@ -78,6 +95,23 @@ def install() -> None:
 
     torch.Tensor.record_stream = _record_stream
     _INSTALLED = True
+
+
+class _FreshCPUOutputsDist:
+    """``torch.distributed`` as FSDP's module sees it, except that while ``active``, ``all_gather`` of CPU tensors
+    writes into new output tensors (put into the caller's list), so the outputs of earlier gathers stay intact."""
+
+    def __init__(self, dist: Any) -> None:
+        self._dist = dist
+        self.active = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dist, name)
+
+    def all_gather(self, tensor_list: list, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.active and tensor.device.type == "cpu":
+            tensor_list[:] = [torch.empty_like(t) for t in tensor_list]
+        return self._dist.all_gather(tensor_list, tensor, *args, **kwargs)
 
 
 class CPUFullyShardedStrategy(DDPFullyShardedStrategy):

@@ -1,0 +1,245 @@
+"""Resuming ``DDPFullyShardedStrategy`` checkpoints: consolidated optimizer state, restore after sharding, re-sharding
+for another world size, and checkpoints of upstream 1.6.5's format (scenarios in ``fsdp_resume_scenarios.py``).
+
+Every scenario runs real FairScale FSDP on CPU processes over gloo (see ``tests/helpers/cpu_fsdp.py``); the model
+creates and wraps its layers in ``configure_sharded_model``.
+"""
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from tests.helpers.multiprocess import assert_success, run_module
+from tests.helpers.runif import RunIf
+from tests.helpers.scenario import read_results
+
+SCENARIOS = "tests.strategies.fsdp_resume_scenarios"
+
+
+def run_scenario(name: str, out: Path, *args: str, devices: int = 2, timeout: float = 180) -> List[Dict[str, Any]]:
+    result = run_module(SCENARIOS, [name, "--out", str(out), "--devices", str(devices), *args], timeout=timeout)
+    assert_success(result)
+    return read_results(out, devices)
+
+
+def rank_state(out: Path, rank: int) -> Dict[str, Any]:
+    return torch.load(out / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+
+
+def load_checkpoint(path: Path) -> Dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def assert_same(actual: Any, expected: Any, what: str, atol: float = 0.0) -> None:
+    """Equal tensors, bitwise by default: on CPU the resumed run does exactly the arithmetic of the uninterrupted
+    one. ``atol`` allows for GPU kernels that do not guarantee the same rounding from run to run."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and sorted(actual, key=str) == sorted(expected, key=str), what
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{what}[{key!r}]", atol)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), what
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, f"{what}[{i}]", atol)
+    elif isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):
+        actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
+        assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+        if atol:
+            ok = torch.allclose(actual.double(), expected.double(), rtol=0, atol=atol)
+        else:
+            ok = torch.equal(actual, expected)
+        assert ok, f"{what}: max abs diff {(actual.double() - expected.double()).abs().max().item()}"
+    else:
+        assert actual == expected, f"{what}: {actual!r} != {expected!r}"
+
+
+def expected_shards(full_state: Dict[str, Any], world_size: int, rank: int) -> Dict[int, Dict[str, torch.Tensor]]:
+    """This rank's flat shard of a consolidated (unflattened) optimizer state, computed independently of FairScale:
+    the unflattened tensors of each flat parameter are concatenated in order, split into ``world_size`` chunks like
+    ``torch.chunk`` and the rank's chunk is zero-padded to the size of the first one, as FSDP shards parameters."""
+    flat_ids = sorted(set(full_state["param_id_map"].values()))
+    shards: Dict[int, Dict[str, torch.Tensor]] = {}
+    for flat_id in flat_ids:
+        unflat_ids = sorted(u for u, f in full_state["param_id_map"].items() if f == flat_id)
+        names = full_state["state"][unflat_ids[0]].keys()
+        shards[flat_id] = {}
+        for name in names:
+            values = [full_state["state"][u][name] for u in unflat_ids]
+            if not isinstance(values[0], torch.Tensor) or values[0].dim() == 0:
+                shards[flat_id][name] = torch.as_tensor(float(values[0]))  # e.g. Adam's step: the same everywhere
+                continue
+            chunks = list(torch.cat([v.flatten() for v in values]).chunk(world_size))
+            chunk = chunks[rank] if rank < len(chunks) else chunks[0].new_empty(0)
+            shards[flat_id][name] = torch.nn.functional.pad(chunk, [0, chunks[0].numel() - chunk.numel()])
+    return shards
+
+
+def local_shards(local_state: Dict[str, Any]) -> Dict[int, Dict[str, torch.Tensor]]:
+    return {
+        flat_id: {name: torch.as_tensor(value).float() if torch.as_tensor(value).dim() == 0 else value
+                  for name, value in state.items()}
+        for flat_id, state in local_state["state"].items()
+    }
+
+
+def check_exact_resume(tmp_path: Path, optimizer: str, *extra: str, devices: int = 2, atol: float = 0.0) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    # 2k steps without stopping; ModelCheckpoint saves after every epoch (k steps), so a save happens mid-run
+    run_scenario("fit", straight, "--optimizer", optimizer, "--scheduler", "--epochs", "2", *extra, devices=devices)
+    # a fresh Trainer (and process) resumes from the checkpoint saved after k steps and trains to 2k
+    ckpt = straight / "ckpts" / "epoch=0.ckpt"
+    results = run_scenario(
+        "fit", resumed, "--optimizer", optimizer, "--scheduler", "--epochs", "2", "--ckpt", str(ckpt), *extra,
+        devices=devices,
+    )
+    assert [r["global_step"] for r in results] == [8 if devices == 2 else 16] * devices
+    for rank in range(devices):
+        expected, actual = rank_state(straight, rank), rank_state(resumed, rank)
+        assert_same(actual["params"], expected["params"], f"rank {rank} params", atol)
+        assert_same(actual["optim"], expected["optim"], f"rank {rank} optimizer state", atol)
+    if devices == 2:
+        # the shards differ, so a rank that loaded another rank's shard could not pass the comparison above
+        shard0, shard1 = (rank_state(straight, r)["optim"][0]["state"][0] for r in range(2))
+        assert not any(torch.equal(shard0[k], shard1[k]) for k in shard0 if k != "step")
+    # the final checkpoints (model, consolidated optimizer state, scheduler) agree as well
+    final_straight = load_checkpoint(straight / "ckpts" / "epoch=1.ckpt")
+    final_resumed = load_checkpoint(resumed / "ckpts" / "epoch=1.ckpt")
+    for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+        assert_same(final_resumed[key], final_straight[key], key, atol)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("optimizer", "devices"), [("sgd", 2), ("adam", 2), ("adam", 1)])
+def test_exact_resume_matches_uninterrupted_training(tmp_path, optimizer, devices):
+    """Upstream 1.6.5 fails this twice over: the model built in ``configure_sharded_model`` cannot be restored
+    (``Unexpected key(s) in state_dict``), and, with that fixed, rank 1 resumes with rank 0's optimizer shard."""
+    check_exact_resume(tmp_path, optimizer, devices=devices)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("save_devices", "load_devices"), [(2, 2), (2, 1), (1, 2)])
+def test_resume_reshards_optimizer_state(tmp_path, save_devices, load_devices):
+    """Layers created in ``configure_sharded_model`` resume, and every rank gets its slice of the consolidated
+    optimizer state, also when the number of devices changes between save and resume."""
+    run_scenario("fit", tmp_path / "save", "--optimizer", "adam", "--epochs", "1", devices=save_devices)
+    ckpt_path = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
+    # resume with max_epochs=1: the restored state is reported without training any further
+    results = run_scenario(
+        "fit", tmp_path / "load", "--optimizer", "adam", "--epochs", "1", "--ckpt", str(ckpt_path),
+        devices=load_devices,
+    )
+    assert all(r["world_size"] == load_devices for r in results)
+    checkpoint = load_checkpoint(ckpt_path)
+    full_state = checkpoint["optimizer_states"][0]
+    assert set(full_state) >= {"state", "param_groups", "param_id_map"}
+    # the consolidated state holds unflattened, full-size tensors, like the model's state dict
+    assert [tuple(s["exp_avg"].shape) for s in full_state["state"].values()] == [
+        tuple(v.shape) for v in checkpoint["state_dict"].values()
+    ]
+    for rank in range(load_devices):
+        state = rank_state(tmp_path / "load", rank)
+        assert_same(state["params"], dict(checkpoint["state_dict"]), f"rank {rank} params")
+        assert_same(local_shards(state["optim"][0]), expected_shards(full_state, load_devices, rank), f"rank {rank}")
+
+
+@pytest.mark.timeout(420)
+def test_test_from_checkpoint_restores_sharded_model(tmp_path):
+    """Restoring after setup also serves ``trainer.test(ckpt_path=...)``, where no optimizer exists."""
+    run_scenario("fit", tmp_path / "save", "--epochs", "1")
+    ckpt_path = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
+    run_scenario("test_from_checkpoint", tmp_path / "load", "--ckpt", str(ckpt_path))
+    checkpoint = load_checkpoint(ckpt_path)
+    for rank in range(2):
+        assert_same(rank_state(tmp_path / "load", rank)["params"], dict(checkpoint["state_dict"]), f"rank {rank}")
+
+
+@pytest.mark.timeout(240)
+def test_full_optimizer_state_only_on_rank_zero(tmp_path):
+    rank0, rank1 = run_scenario("consolidate", tmp_path, "--optimizer", "adam")
+    assert rank0["full_keys"] == ["param_groups", "param_id_map", "state", "uncollected_local_ids"]
+    assert rank1["full_keys"] == []
+    # consolidating leaves the live optimizer state as it was (FairScale turns ``step`` tensors into ints in place)
+    assert rank0["local_state_unchanged"] and rank1["local_state_unchanged"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("param_groups", "optimizer with one param group, but `SGD` has 2"),
+        ("no_flatten", "with `flatten_parameters=True`"),
+        ("outside_param", "Parameters outside it: ['before']"),
+    ],
+)
+def test_unsupported_optimizer_state_raises(tmp_path, case, message):
+    """Setups whose optimizer state FairScale cannot consolidate fail at the first checkpoint instead of saving
+    wrong state."""
+    results = run_scenario("misuse", tmp_path, "--case", case)
+    for result in results:
+        assert result["error"] is not None and message in result["error"], result
+        assert "save_weights_only=True" in result["error"]
+
+
+@pytest.mark.timeout(420)
+def test_checkpoint_with_rank_zero_optimizer_shard_warns(tmp_path):
+    """A checkpoint in upstream 1.6.5's format (rank 0's local optimizer shard) loads the weights, warns, and does
+    not hand rank 0's shard to the other ranks."""
+    run_scenario("make_legacy", tmp_path / "save", "--scheduler")
+    legacy = load_checkpoint(tmp_path / "save" / "legacy.ckpt")
+    rank0, rank1 = run_scenario(
+        "resume_legacy", tmp_path / "load", "--scheduler", "--ckpt", str(tmp_path / "save" / "legacy.ckpt")
+    )
+    assert len(rank0["warnings"]) == 1 and "covers only global rank 0's shard" in rank0["warnings"][0]
+    assert rank1["warnings"] == []  # rank_zero_warn
+    saved_lr = legacy["optimizer_states"][0]["param_groups"][0]["lr"]
+    for rank, result in enumerate((rank0, rank1)):
+        assert result["lrs"] == [saved_lr]
+        state = rank_state(tmp_path / "load", rank)
+        assert_same(state["params"], dict(legacy["state_dict"]), f"rank {rank} params")
+        assert state["optim"][0]["state"] == {}
+
+
+@RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_exact_resume_matches_uninterrupted_training_multi_gpu(tmp_path, optimizer):
+    check_exact_resume(tmp_path, optimizer, "--accelerator", "gpu", atol=1e-6)
+
+
+@RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
+@pytest.mark.timeout(600)
+def test_resume_reshards_optimizer_state_multi_gpu(tmp_path):
+    run_scenario("fit", tmp_path / "save", "--optimizer", "adam", "--epochs", "1", "--accelerator", "gpu")
+    ckpt_path = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
+    run_scenario(
+        "fit", tmp_path / "load", "--optimizer", "adam", "--epochs", "1", "--ckpt", str(ckpt_path),
+        "--accelerator", "gpu", devices=1,
+    )
+    checkpoint = load_checkpoint(ckpt_path)
+    state = rank_state(tmp_path / "load", 0)
+    assert_same(state["params"], dict(checkpoint["state_dict"]), "params")
+    assert_same(local_shards(state["optim"][0]), expected_shards(checkpoint["optimizer_states"][0], 1, 0), "shard")
+
+
+@pytest.mark.timeout(240)
+def test_consolidation_memory_on_other_ranks(tmp_path):
+    """Only global rank 0 grows by the full optimizer state; rank 1 needs no more than the gather buffers of one FSDP
+    unit (issue bound: 2 x one unit with its optimizer state + 5% of model and optimizer state).
+
+    glibc is told to return freed large blocks to the OS, so that the RSS peak measures live memory rather than
+    what the allocator keeps cached between the per-unit gathers.
+    """
+    result = run_module(
+        SCENARIOS,
+        ["memory", "--out", str(tmp_path), "--optimizer", "adam", "--width", "1024"],
+        timeout=180,
+        env={"MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
+    assert_success(result)
+    rank0, rank1 = read_results(tmp_path, 2)
+    model_mib = 4 * rank0["unit_params_mib"]
+    bound = 2 * rank1["unit_with_adam_state_mib"] + 0.05 * (model_mib + rank1["full_adam_state_mib"])
+    assert rank1["growth_mib"] <= bound, (rank1, bound)
+    assert rank1["growth_mib"] < rank1["full_adam_state_mib"] / 2  # no full copy, not even of one state tensor
+    assert rank0["growth_mib"] >= rank0["full_adam_state_mib"]  # the consolidated state lives on rank 0
