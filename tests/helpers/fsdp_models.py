@@ -24,6 +24,8 @@ class FSDPModel(BoringModel):
         optimizer: ``"sgd"`` (momentum) or ``"adam"``.
         scheduler: add a StepLR scheduler.
         batches: training batches per epoch.
+        train_extras: whether the non-FSDP parameters are trained. Frozen, they stay out of the optimizer, whose
+            state the strategy can then consolidate through the single outer FSDP instance.
     """
 
     def __init__(
@@ -37,14 +39,16 @@ class FSDPModel(BoringModel):
         scheduler: bool = False,
         batches: int = 4,
         lr: float = 0.01,
+        train_extras: bool = True,
     ) -> None:
         super().__init__()
         self.width, self.units, self.wrapping = width, units, wrapping
         self.optimizer_name, self.use_scheduler, self.batches, self.lr = optimizer, scheduler, batches, lr
         del self.layer
         self.layer: Optional[nn.Module] = None
+        self.train_extras = train_extras
         if extra_before:
-            self.before = nn.Parameter(torch.linspace(-1, 1, width))
+            self.before = nn.Parameter(torch.linspace(-1, 1, width), requires_grad=train_extras)
         self.extra_after = extra_after
 
     def configure_sharded_model(self) -> None:
@@ -60,7 +64,7 @@ class FSDPModel(BoringModel):
         else:
             raise ValueError(f"unknown wrapping {self.wrapping!r}")
         if self.extra_after:
-            self.after = nn.Parameter(torch.linspace(1, 2, self.width))
+            self.after = nn.Parameter(torch.linspace(1, 2, self.width), requires_grad=self.train_extras)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "before"):
@@ -71,10 +75,11 @@ class FSDPModel(BoringModel):
         return x
 
     def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "adam":
-            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+            optimizer = torch.optim.Adam(params, lr=self.lr)
         elif self.optimizer_name == "sgd":
-            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+            optimizer = torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         else:
             raise ValueError(f"unknown optimizer {self.optimizer_name!r}")
         if not self.use_scheduler:

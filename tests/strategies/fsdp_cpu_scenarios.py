@@ -87,7 +87,10 @@ def checkpoint_contents(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit with ModelCheckpoint(save_last, top-2), then save full and weights-only checkpoints; report what each
     rank held and, on rank 0, how every written file compares with the gathered parameters."""
     seed_everything(2)
-    model_kwargs = dict(width=16, units=3, wrapping=args.wrapping, extra_before=True, extra_after=True)
+    # frozen extras: trainable parameters outside FSDP cannot have their optimizer state consolidated (patch 0011)
+    model_kwargs = dict(
+        width=16, units=3, wrapping=args.wrapping, extra_before=True, extra_after=True, train_extras=False
+    )
     model = FSDPModel(**model_kwargs)
     checkpoint_callback = ModelCheckpoint(dirpath=args.out / "ckpts", monitor="val_loss", save_last=True, save_top_k=2)
     trainer = Trainer(

@@ -42,11 +42,6 @@ class ResumeModel(FSDPModel):
     def test_step(self, batch, batch_idx):
         return super().test_step(batch[0], batch_idx)
 
-    def lr_scheduler_step(self, scheduler, optimizer_idx, metric) -> None:
-        # Lightning 1.6 only recognises ``torch.optim.lr_scheduler._LRScheduler`` subclasses, which recent torch
-        # schedulers no longer are.
-        scheduler.step()
-
     def configure_optimizers(self):
         if self.param_groups == 1:
             return super().configure_optimizers()
