@@ -1,11 +1,11 @@
 """Benchmark-only: keep rank 0's full FSDP state dict in file-backed pages instead of anonymous memory while saving.
 
 With ``state_dict_on_rank_0_only=True`` rank 0 still holds the whole state dict (1 x S of anonymous memory) between
-``lightning_module_state_dict()`` and the end of the write. Here every FSDP unit's full tensors are copied, one unit at a
-time, into a shared memory mapping of a *spill file* in the checkpoint's directory, and the tensors in the state dict
+``lightning_module_state_dict()`` and the end of the write. Here every FSDP unit's full tensors are copied, one unit at
+a time, into a shared memory mapping of a *spill file* in the checkpoint's directory, and the tensors in the state dict
 are views of that mapping. The state dict then lives in page cache that the kernel can write back and reclaim, and the
-streaming save reads it from there. The checkpoint is an ordinary one: every tensor has its own storage of its own
-dtype and size, so plain ``torch.load`` reads it and the values are the gathered parameters, bit for bit.
+streaming save reads it from there. The checkpoint is an ordinary one: every tensor has its own storage of its own dtype
+and size, so plain ``torch.load`` reads it and the values are the gathered parameters, bit for bit.
 
 Where the copy happens (checked against torch 2.x ``Module.state_dict`` and FairScale 0.4.13):
 
@@ -20,10 +20,12 @@ Where the copy happens (checked against torch 2.x ``Module.state_dict`` and Fair
   parameters (on CPU, or on the GPU) into the mapping and marks them ``_has_been_cloned``, so FairScale's hook (and
   every outer instance's) neither clones them nor copies them to the CPU again: the only anonymous memory a unit costs
   is the gathered unit itself. On the other ranks it does nothing and FairScale's hook clears the dict as before.
+  The order matters: placed after FairScale's hook, it finds every tensor already cloned (and marked) and spills
+  nothing (measured: rank 0's save extra stays at 1.06 x S).
 
-The spill file is unlinked as soon as it is created (POSIX): the mappings keep its pages reachable, no name is ever
-left behind (not even when the process is killed), and its blocks are freed when the last state-dict tensor is.
-Only POSIX systems are supported (Windows cannot unlink a file that is open).
+The spill file is unlinked as soon as it is created (POSIX): the mappings keep its pages reachable, no name is left
+behind (not even by a killed process, but for the instant between creating and unlinking it), and its blocks are freed
+when the last state-dict tensor is. Only POSIX systems are supported (Windows cannot unlink a file that is open).
 """
 import contextlib
 import functools
@@ -123,7 +125,7 @@ def _spill_hook(spill: SpillFile, module: nn.Module, state_dict: Dict[str, Any],
         spill.error = error
         return
     for key, target in zip(keys, targets):
-        # FairScale's hooks (this unit's and every outer unit's) skip tensors marked like this, as they skip their clones.
+        # FairScale's hooks (this unit's and every outer unit's) skip tensors marked like this, as they skip clones.
         target._has_been_cloned = True
         state_dict[key] = target
 
