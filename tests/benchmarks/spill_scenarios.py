@@ -51,7 +51,7 @@ class ProbeIO(TorchCheckpointIO):
 def run(args: argparse.Namespace, fail_write: bool = False) -> Dict[str, Any]:
     seed_everything(1)
     # plain parameters before and after the FSDP stack: entries outside any FSDP unit, which are not spilled
-    model = FSDPModel(width=16, units=3, batches=2, extra_before=True, extra_after=True)
+    model = FSDPModel(width=16, units=3, batches=2, extra_before=True, extra_after=True, train_extras=False)
     spill_dir = args.out / "spill"
     spill_dir.mkdir(exist_ok=True)
     io = ProbeIO(spill_dir, fail_write)

@@ -51,7 +51,9 @@ class ResumeModel(FSDPModel):
 
 
 def make_model(args: argparse.Namespace, **overrides: Any) -> ResumeModel:
-    kwargs = dict(width=WIDTH, units=2, optimizer=args.optimizer, scheduler=args.scheduler, batches=4)
+    kwargs = dict(
+        width=WIDTH, units=2, optimizer=args.optimizer, scheduler=args.scheduler, batches=4, wrapping=args.wrapping
+    )
     kwargs.update(overrides)
     return ResumeModel(**kwargs)
 
@@ -60,7 +62,7 @@ def make_trainer(args: argparse.Namespace, max_epochs: int, **strategy_kwargs: A
     return Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy=CPUFullyShardedStrategy(**strategy_kwargs),
+        strategy=CPUFullyShardedStrategy(**{"min_num_params": args.min_num_params, **strategy_kwargs}),
         max_epochs=max_epochs,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -229,6 +231,8 @@ def resume_legacy(args: argparse.Namespace) -> Dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     parser.add_argument("--scheduler", action="store_true")
+    parser.add_argument("--wrapping", default="wrap", choices=["wrap", "auto_wrap"])
+    parser.add_argument("--min-num-params", type=int, default=100_000_000, help="of the strategy's auto_wrap policy")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--width", type=int, default=1024)

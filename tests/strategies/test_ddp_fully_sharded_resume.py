@@ -118,6 +118,18 @@ def test_exact_resume_matches_uninterrupted_training(tmp_path, optimizer, device
 
 
 @pytest.mark.timeout(420)
+def test_exact_resume_with_several_outermost_fsdp_instances(tmp_path):
+    """``auto_wrap`` of a container without parameters of its own leaves one outermost FSDP instance per block, as in
+    Lightning's FSDP docs; the optimizer state is consolidated and re-sharded per instance."""
+    auto_wrap = ("--wrapping", "auto_wrap", "--min-num-params", "50")
+    check_exact_resume(tmp_path, "adam", *auto_wrap)
+    saved = load_checkpoint(tmp_path / "straight" / "ckpts" / "epoch=0.ckpt")["optimizer_states"][0]
+    assert len(saved["fsdp_roots"]) == 2  # one per block
+    for root_state in saved["fsdp_roots"]:
+        assert {"state", "param_groups", "param_id_map"} <= set(root_state)
+
+
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize(("save_devices", "load_devices"), [(2, 2), (2, 1), (1, 2)])
 def test_resume_reshards_optimizer_state(tmp_path, save_devices, load_devices):
     """Layers created in ``configure_sharded_model`` resume, and every rank gets its slice of the consolidated
