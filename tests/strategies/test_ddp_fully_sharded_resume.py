@@ -181,7 +181,7 @@ def test_full_optimizer_state_only_on_rank_zero(tmp_path):
     [
         ("param_groups", "optimizer with one param group, but `SGD` has 2"),
         ("no_flatten", "with `flatten_parameters=True`"),
-        ("outside_param", "Parameters outside it: ['before']"),
+        ("outside_param", "Parameters outside them: ['before']"),
     ],
 )
 def test_unsupported_optimizer_state_raises(tmp_path, case, message):
