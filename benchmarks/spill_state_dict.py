@@ -170,6 +170,11 @@ class SpillStateDictMixin:
         with spill_state_dict(self.lightning_module, str(directory)) as spill:
             state_dict = super().lightning_module_state_dict()
         self.last_spilled_bytes = spill.spilled_bytes
+        # Saving goes on with more collectives (the optimizer state is consolidated next), so a failure on rank 0
+        # alone must stop every rank here, together, or the others would wait in the next gather.
+        failed = self.reduce(torch.tensor(float(spill.error is not None), device=self.root_device), reduce_op="sum")
         if spill.error is not None:
             raise OSError(f"could not spill the state dict into {directory!r}: {spill.error}") from spill.error
+        if failed.item() > 0:
+            raise RuntimeError("global rank 0 could not spill the state dict; every rank stops saving")
         return state_dict
