@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=parse_devices, default=[2], help="world size, or a list such as 2,4")
     parser.add_argument("--size-mb", type=float, default=256, help="full fp32 state-dict size S in MiB")
     parser.add_argument("--units", type=int, default=16, help="number of FSDP-wrapped blocks K")
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--optimizer", choices=["sgd", "sgd-plain", "adam"], default="sgd")
     parser.add_argument(
         "--configs", type=parse_configs, default=registry.names(), help=f"comma list of {', '.join(registry.names())}"
     )

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--size-mb", type=float, default=256)
     parser.add_argument("--units", type=int, default=16)
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--optimizer", choices=["sgd", "sgd-plain", "adam"], default="sgd")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--ckpt-dir", type=Path, help="where the checkpoint is written (default: --out)")
 

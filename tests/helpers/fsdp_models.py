@@ -21,7 +21,7 @@ class FSDPModel(BoringModel):
             FairScale's policy decide (with the strategy's ``min_num_params``).
         extra_before / extra_after: add a plain (non-FSDP) parameter registered before / after the FSDP stack, so
             the state dict has entries outside any FSDP instance on both sides.
-        optimizer: ``"sgd"`` (momentum) or ``"adam"``.
+        optimizer: ``"sgd"`` (momentum), ``"sgd-plain"`` (no state) or ``"adam"``.
         scheduler: add a StepLR scheduler.
         batches: training batches per epoch.
         train_extras: whether the non-FSDP parameters are trained. Frozen, they stay out of the optimizer, whose
@@ -80,6 +80,9 @@ class FSDPModel(BoringModel):
             optimizer = torch.optim.Adam(params, lr=self.lr)
         elif self.optimizer_name == "sgd":
             optimizer = torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        elif self.optimizer_name == "sgd-plain":
+            # no momentum: a stateless optimizer, so a checkpoint holds the model alone
+            optimizer = torch.optim.SGD(params, lr=self.lr)
         else:
             raise ValueError(f"unknown optimizer {self.optimizer_name!r}")
         if not self.use_scheduler:
