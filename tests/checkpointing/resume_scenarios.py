@@ -13,7 +13,8 @@ import torch
 from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
 from tests.helpers.boring_model import BoringModel
-from tests.helpers.scenario import main
+from tests.helpers.mmap_check import is_mapped_from
+from tests.helpers.scenario import main, quiet_trainer_kwargs
 
 
 class AdamModel(BoringModel):
@@ -22,32 +23,8 @@ class AdamModel(BoringModel):
 
 
 def _trainer(args: argparse.Namespace, **overrides: Any) -> Trainer:
-    kwargs = dict(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy="ddp",
-        max_steps=3,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-        default_root_dir=str(args.out),
-    )
-    kwargs.update(overrides)
-    return Trainer(**kwargs)
-
-
-def _mapped_from(tensor: torch.Tensor, path: Path) -> bool:
-    address = tensor.untyped_storage().data_ptr()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) >= 6 and Path(fields[5]) == path.resolve():
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    return True
-    return False
+    defaults = {"strategy": "ddp", "max_steps": 3, "limit_val_batches": 0}
+    return Trainer(**quiet_trainer_kwargs(args.out, args.devices, **{**defaults, **overrides}))
 
 
 class RecordingCheckpointIO(TorchCheckpointIO):
@@ -58,7 +35,7 @@ class RecordingCheckpointIO(TorchCheckpointIO):
         tensors = list(checkpoint["state_dict"].values())
         for state in checkpoint["optimizer_states"][0]["state"].values():
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        self.mapped = [_mapped_from(t, Path(path)) for t in tensors]
+        self.mapped = [is_mapped_from(t, Path(path)) for t in tensors]
         return checkpoint
 
 

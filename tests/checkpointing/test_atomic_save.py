@@ -14,7 +14,6 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
-from pytorch_lightning.utilities import cloud_io
 from pytorch_lightning.utilities.cloud_io import atomic_save
 from pytorch_lightning.utilities.cloud_io import load as pl_load
 from tests.helpers.multiprocess import ROOT

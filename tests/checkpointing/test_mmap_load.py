@@ -2,9 +2,7 @@
 import inspect
 import mmap
 import sys
-from pathlib import Path
 
-import fsspec
 import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
@@ -13,6 +11,7 @@ from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
 from pytorch_lightning.utilities import cloud_io
 from pytorch_lightning.utilities.cloud_io import atomic_save
 from pytorch_lightning.utilities.cloud_io import load as pl_load
+from tests.helpers.mmap_check import is_mapped_from
 
 _TORCH_LOAD_MMAP = "mmap" in inspect.signature(torch.load).parameters
 _requires_mmap = pytest.mark.skipif(not _TORCH_LOAD_MMAP, reason="torch.load(mmap=True) needs torch>=2.1")
@@ -48,19 +47,6 @@ def _assert_equal(actual, expected):
     assert actual["epoch"] == expected["epoch"] and actual["hyper_parameters"] == expected["hyper_parameters"]
 
 
-def _mapped_from(tensor: torch.Tensor, path: Path) -> bool:
-    """Whether the tensor's memory lies in a mapping of ``path`` (Linux)."""
-    address = tensor.untyped_storage().data_ptr()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) >= 6 and Path(fields[5]) == path.resolve():
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    return True
-    return False
-
-
 @pytest.fixture
 def load_calls(monkeypatch):
     """Record the arguments of every ``torch.load`` call."""
@@ -85,7 +71,7 @@ def test_load_mmap_local_zip_file(tmp_path, load_calls):
     [(f, kwargs)] = load_calls
     assert f == str(path) and kwargs["mmap"] is True and kwargs.get("weights_only") is False
     for key, tensor in _tensors(loaded):
-        assert _mapped_from(tensor, path), key
+        assert is_mapped_from(tensor, path), key
 
 
 @_requires_mmap
@@ -96,7 +82,7 @@ def test_load_mmap_file_uri(tmp_path, load_calls):
     loaded = pl_load(f"file://{path}", mmap=True)
     _assert_equal(loaded, _checkpoint())
     assert load_calls[0][1]["mmap"] is True
-    assert _mapped_from(loaded["state_dict"]["layer.weight"], path)
+    assert is_mapped_from(loaded["state_dict"]["layer.weight"], path)
 
 
 @_linux
@@ -106,7 +92,7 @@ def test_load_without_mmap_reads_into_memory(tmp_path, load_calls):
     loaded = pl_load(path)
     _assert_equal(loaded, _checkpoint())
     assert "mmap" not in load_calls[0][1]
-    assert not _mapped_from(loaded["state_dict"]["layer.weight"], path)
+    assert not is_mapped_from(loaded["state_dict"]["layer.weight"], path)
 
 
 @_linux
@@ -117,7 +103,7 @@ def test_load_mmap_legacy_format_falls_back(tmp_path, load_calls):
     _assert_equal(loaded, _checkpoint())
     [(f, kwargs)] = load_calls
     assert "mmap" not in kwargs and not isinstance(f, str)
-    assert not _mapped_from(loaded["state_dict"]["layer.weight"], path)
+    assert not is_mapped_from(loaded["state_dict"]["layer.weight"], path)
 
 
 def test_load_mmap_file_object_falls_back(tmp_path, load_calls):

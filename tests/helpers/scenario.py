@@ -51,3 +51,19 @@ def read_results(out: Path, world_size: int) -> List[Dict[str, Any]]:
         assert path.exists(), f"rank {rank} wrote no result" + (f":\n{error.read_text()}" if error.exists() else "")
         results.append(json.loads(path.read_text()))
     return results
+
+
+def quiet_trainer_kwargs(root_dir: Path, devices: int, **overrides: Any) -> Dict[str, Any]:
+    """Trainer arguments for CPU scenarios: no progress bar, summary, logger or implicit checkpointing, so that a
+    scenario's output and files are only what it asks for; ``overrides`` win."""
+    kwargs: Dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=devices,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=str(root_dir),
+    )
+    kwargs.update(overrides)
+    return kwargs

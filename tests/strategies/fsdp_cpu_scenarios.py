@@ -13,25 +13,14 @@ from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy
 from tests.helpers.fsdp_models import FSDPModel, full_parameters
-from tests.helpers.scenario import main
+from tests.helpers.scenario import main, quiet_trainer_kwargs
 
 
 def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]:
-    kwargs = dict(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=CPUFullyShardedStrategy(
-            state_dict_on_rank_0_only=getattr(args, "rank0_only", "on") == "on", min_num_params=100
-        ),
-        max_epochs=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-        default_root_dir=str(args.out),
+    strategy = CPUFullyShardedStrategy(
+        state_dict_on_rank_0_only=getattr(args, "rank0_only", "on") == "on", min_num_params=100
     )
-    kwargs.update(overrides)
-    return kwargs
+    return quiet_trainer_kwargs(args.out, args.devices, **{"strategy": strategy, "max_epochs": 1, **overrides})
 
 
 def tensor_summary(state: Dict[str, Any]) -> Dict[str, Any]:

@@ -25,7 +25,7 @@ from pytorch_lightning.utilities.types import _PATH
 from tests.helpers.boring_model import BoringModel
 from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy
 from tests.helpers.fsdp_models import FSDPModel
-from tests.helpers.scenario import global_rank, main
+from tests.helpers.scenario import global_rank, main, quiet_trainer_kwargs
 
 
 def sha256(path: Path) -> str:
@@ -89,20 +89,8 @@ class PlainModel(BoringModel):
 
 
 def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]:
-    kwargs = dict(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=CPUFullyShardedStrategy(),
-        max_epochs=1,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-        default_root_dir=str(args.out),
-    )
-    kwargs.update(overrides)
-    return kwargs
+    defaults = {"strategy": CPUFullyShardedStrategy(), "max_epochs": 1, "limit_val_batches": 0}
+    return quiet_trainer_kwargs(args.out, args.devices, **{**defaults, **overrides})
 
 
 def save_fails(args: argparse.Namespace) -> Dict[str, Any]:
