@@ -12,6 +12,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.trainer.connectors.checkpoint_connector import CheckpointConnector
 from pytorch_lightning.utilities.exceptions import CheckpointError
 from tests.helpers.boring_model import BoringModel
+from tests.helpers.scenario import quiet_trainer_kwargs
 
 
 class Model(BoringModel):
@@ -25,17 +26,8 @@ class FullDiskIO(TorchCheckpointIO):
 
 
 def _trainer(tmp_path, **kwargs):
-    defaults = dict(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return Trainer(**{**defaults, **kwargs})
+    defaults = dict(max_epochs=1, limit_train_batches=2, limit_val_batches=0)
+    return Trainer(**quiet_trainer_kwargs(tmp_path, 1, **{**defaults, **kwargs}))
 
 
 def test_failed_save_raises_checkpoint_error_naming_the_path(tmp_path):

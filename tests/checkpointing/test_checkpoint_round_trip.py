@@ -9,6 +9,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from pytorch_lightning import Callback, Trainer
 from pytorch_lightning.utilities.cloud_io import load as pl_load
 from tests.helpers.boring_model import BoringModel
+from tests.helpers.scenario import quiet_trainer_kwargs
 
 
 class AdamModel(BoringModel):
@@ -19,19 +20,7 @@ class AdamModel(BoringModel):
 
 
 def _trainer(tmp_path, **kwargs):
-    defaults = dict(
-        default_root_dir=tmp_path,
-        max_steps=3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-    )
-    defaults.update(kwargs)
-    return Trainer(**defaults)
+    return Trainer(**quiet_trainer_kwargs(tmp_path, 1, **{"max_steps": 3, "limit_val_batches": 0, **kwargs}))
 
 
 def _assert_state_equal(actual, expected):
