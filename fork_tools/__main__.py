@@ -3,7 +3,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fork_tools import export, materialize, refresh
+from fork_tools import export, materialize, refresh, revision
 from fork_tools.upstream import ROOT, BuildError
 
 
@@ -15,15 +15,18 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="discard edits that were never refreshed into a patch")
 
     sub.add_parser("check", help="verify that pytorch_lightning/ equals upstream plus patches/series")
+    sub.add_parser("bump", help="raise the fork revision (patches/revision) after editing a patch by hand")
 
     p = sub.add_parser("refresh", help="write the edits made in pytorch_lightning/ into a patch")
-    p.add_argument("patch", help="patch file name; a name not in the series is appended to it as a new patch")
+    p.add_argument(
+        "patch", help="patch name relative to patches/ (e.g. fork/x.patch); a new name is appended to the series"
+    )
     p.add_argument("--subject", help="Subject line of a new patch")
     p.add_argument("--why", help="why a new patch is needed (DEP-3 Description)")
     p.add_argument("--bug", help="upstream issue or PR it relates to")
 
     p = sub.add_parser("export", help="write a `git am`-ready upstream PR for one patch, against upstream 1.6.5")
-    p.add_argument("patch", help="patch file name in patches/series")
+    p.add_argument("patch", help="patch name in patches/series, e.g. upstream/fsdp-state-dict-on-rank-0-only.patch")
     p.add_argument("--tests", nargs="*", default=[], help="new test files of ours to include in the PR")
     p.add_argument(
         "--upstream", type=Path, help="checkout of upstream at tag 1.6.5: run `git apply --check` of the output there"
@@ -36,11 +39,15 @@ def main(argv=None) -> int:
             print(materialize.materialize(force=args.force))
         elif args.command == "check":
             problems = refresh.check(ROOT)
+            if revision.stale_revision():
+                problems.append("patches/revision: the series changed since the last bump; run 'python -m fork_tools bump'")
             for line in problems:
                 print(line)
             if problems:
                 return 1
             print("pytorch_lightning/ equals upstream + patches/series")
+        elif args.command == "bump":
+            print(f"fork revision {revision.bump_revision()}")
         elif args.command == "refresh":
             print(refresh.refresh(args.patch, subject=args.subject, why=args.why, bug=args.bug))
         elif args.command == "export":

@@ -39,7 +39,8 @@ def header_fields(header: str) -> List[List[str]]:
         if line.strip() == "---":
             break
         if line[:1] in (" ", "\t") and fields:
-            fields[-1][1] += "\n" + line.strip()
+            # DEP-3 writes an empty line of a multi-line field as " ."
+            fields[-1][1] += "\n" + ("" if line.strip() == "." else line.strip())
             continue
         match = re.match(r"^([A-Za-z][A-Za-z0-9-]*):\s?(.*)$", line)
         if match:
@@ -116,7 +117,7 @@ def _mail(patch: Patch, diffs: str, date: str) -> str:
     fields = header_fields(patch.header)
     author = next((value for name, value in fields if name.lower() == "from"), None)
     if not author:
-        raise BuildError(f"{patch.path.name}: header lacks 'From:', which git am needs for the author")
+        raise BuildError(f"{patch.name}: header lacks 'From:', which git am needs for the author")
     date = next((value for name, value in fields if name.lower() == "date"), date)
     # The description is the commit message proper; the other DEP-3 fields (Bug, Origin ...) become trailers.
     description = "\n".join(value for key, value in fields if key.lower() in _DESCRIPTION_FIELDS)
@@ -158,9 +159,9 @@ def export(
     patch_dir: Path = PATCH_DIR,
     root: Path = ROOT,
 ) -> str:
-    """Write the PR mail for ``patch`` (a file name in the series) to ``output``; return a short report."""
-    name = Path(patch).name
-    by_name = {p.path.name: p for p in read_series(patch_dir)}
+    """Write the PR mail for ``patch`` (its name in the series, e.g. ``upstream/x.patch``) to ``output``."""
+    name = Path(patch).as_posix()
+    by_name = {p.name: p for p in read_series(patch_dir)}
     if name not in by_name:
         raise BuildError(f"{name} is not in {patch_dir / 'series'}; choose one of: {', '.join(by_name)}")
     chosen = by_name[name]

@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from fork_tools.revision import read_revision
 from fork_tools.series import PATCH_DIR, Patch, Tree, apply_series, read_series
 from fork_tools.upstream import ROOT, BuildError, Pin, fetch_wheel, read_pin
 
@@ -22,8 +23,9 @@ VERSION_FILE = "_fork_version.py"
 GENERATED = {STAMP, VERSION_FILE}
 
 
-def fork_version(pin: Pin, patches: List[Patch]) -> str:
-    return f"{pin.version}+fsdp.{len(patches)}"
+def fork_version(pin: Pin, patch_dir: Path = PATCH_DIR) -> str:
+    """``<upstream version>+fsdp.<revision>``, the revision read from ``patches/revision`` (see ``revision``)."""
+    return f"{pin.version}+fsdp.{read_revision(patch_dir)}"
 
 
 def read_wheel_tree(wheel: Path) -> Tree:
@@ -51,10 +53,11 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def inputs_digest(pin: Pin, patches: List[Patch]) -> str:
+def inputs_digest(pin: Pin, patches: List[Patch], patch_dir: Path = PATCH_DIR) -> str:
     digest = hashlib.sha256(pin.sha256.encode())
+    digest.update(str(read_revision(patch_dir)).encode() + b"\0")
     for patch in patches:
-        digest.update(patch.path.name.encode() + b"\0" + patch.path.read_bytes())
+        digest.update(patch.name.encode() + b"\0" + patch.path.read_bytes())
     return digest.hexdigest()
 
 
@@ -119,8 +122,8 @@ def materialize(root: Path = ROOT, force: bool = False, patch_dir: Path = PATCH_
     """
     pin = read_pin()
     patches = read_series(patch_dir)
-    version = fork_version(pin, patches)
-    inputs = inputs_digest(pin, patches)
+    version = fork_version(pin, patch_dir)
+    inputs = inputs_digest(pin, patches, patch_dir)
     stamp = _read_stamp(root)
     if stamp is not None and not force:
         edits = local_edits(root)

@@ -1,7 +1,9 @@
 """Check the materialised tree against the series, and refresh edits made in it back into a patch."""
+import textwrap
 from pathlib import Path
 from typing import List, Optional
 
+from fork_tools.revision import bump_revision
 from fork_tools.materialize import PACKAGE, fork_version, inputs_digest, pristine_tree, read_tree, write_tree
 from fork_tools.series import (
     PATCH_DIR,
@@ -18,11 +20,22 @@ from fork_tools.upstream import ROOT, BuildError, read_pin
 NEW_HEADER = """From: pytorch-lightning fsdp fork <fork@users.noreply.github.com>
 Subject: [PATCH] {subject}
 
-Description: {why}
+{description}
 Bug: {bug}
 Forwarded: no
 ---
 """
+
+
+def description_field(text: str, width: int = 72) -> str:
+    """A DEP-3 ``Description`` field: wrapped, continuation lines indented, paragraphs separated by `` .``."""
+    lines: List[str] = []
+    for number, paragraph in enumerate(p for p in text.strip().split("\n\n") if p.strip()):
+        if number:
+            lines.append(" .")
+        first = "Description: " if number == 0 else " "
+        lines += textwrap.wrap(" ".join(paragraph.split()), width, initial_indent=first, subsequent_indent=" ")
+    return "\n".join(lines)
 
 
 def check(root: Path = ROOT, patch_dir: Path = PATCH_DIR) -> List[str]:
@@ -66,7 +79,7 @@ def refresh(
     the old patch outside ``pytorch_lightning/`` (its upstream CHANGELOG.md hunk) are kept as they were.
     """
     series = read_series(patch_dir)
-    names = [p.path.name for p in series]
+    names = [p.name for p in series]
     disk = read_tree(root)
     pristine = pristine_tree()
     old: Optional[Patch] = None
@@ -84,7 +97,7 @@ def refresh(
         target = dict(base)
         apply_patch(target, old)
         try:
-            apply_patch(target, Patch(old.path, "", edits))
+            apply_patch(target, Patch(old.path, "", edits, old.name))
         except BuildError as err:
             raise BuildError(f"the edits overlap a later patch; refresh that one instead ({err})") from None
         header = old.header
@@ -94,12 +107,13 @@ def refresh(
         base = dict(pristine)
         apply_series(base, series)
         target = disk
-        header = NEW_HEADER.format(subject=subject, why=why, bug=bug or "none")
+        header = NEW_HEADER.format(subject=subject, description=description_field(why), bug=bug or "no")
 
     diff = unified_diff(base, target)
     if not diff:
         raise BuildError(f"{name} would be empty")
     path = patch_dir / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + _with_kept_diffs(diff, old))
     if name not in names:
         with open(patch_dir / "series", "a") as f:
@@ -110,5 +124,6 @@ def refresh(
     tree = dict(pristine)
     apply_series(tree, series)
     pin = read_pin()
-    write_tree(tree, root, fork_version(pin, series), inputs_digest(pin, series))
-    return f"refreshed {path}"
+    revision = bump_revision(patch_dir)
+    write_tree(tree, root, fork_version(pin, patch_dir), inputs_digest(pin, series, patch_dir))
+    return f"refreshed {path} (fork revision {revision})"

@@ -1,8 +1,9 @@
 """The patch series: reading it, applying it with ``whatthepatch``, and writing patches back.
 
-Each file in ``patches/`` is a git-style patch: a mail-like header (``From``, ``Subject``), a body with DEP-3
-style fields (``Description``/``Why``, ``Bug`` or ``Forwarded``), a ``---`` line, then unified diffs with
-``a/`` and ``b/`` prefixes relative to the upstream repository root. ``patches/series`` lists them in order.
+Each file in ``patches/`` is a git-style patch: a mail-like header (``From``, ``Subject``), DEP-3 fields
+(``Description`` with continuation lines, ``Bug``, ``Forwarded``), a ``---`` line, then unified diffs with ``a/``
+and ``b/`` prefixes relative to the upstream repository root. ``patches/series`` lists them in order, by their
+path relative to ``patches/`` (``compat/...``, ``upstream/...``, ``fork/...``); that path is the patch's name.
 
 Diffs outside the package: a patch meant for upstream may also carry a ``CHANGELOG.md`` hunk (or any other
 repository file), written against upstream's git tree with ordinary context, so that ``python -m fork_tools
@@ -38,6 +39,7 @@ class Patch(NamedTuple):
     path: Path
     header: str
     diff: str
+    name: str = ""  # the path relative to the patch directory, as ``series`` lists it
 
     @property
     def subject(self) -> str:
@@ -54,7 +56,7 @@ def series_names(series_file: Path = SERIES_FILE) -> List[str]:
     return names
 
 
-def read_patch(path: Path) -> Patch:
+def read_patch(path: Path, name: Optional[str] = None) -> Patch:
     text = path.read_text()
     start = re.search(r"^diff --git ", text, re.M)
     if not start:
@@ -63,11 +65,11 @@ def read_patch(path: Path) -> Patch:
     for field in ("Subject:",):
         if field not in header:
             raise BuildError(f"{path.name}: header lacks {field!r}")
-    return Patch(path, header, diff)
+    return Patch(path, header, diff, name or path.name)
 
 
 def read_series(patch_dir: Path = PATCH_DIR) -> List[Patch]:
-    return [read_patch(patch_dir / name) for name in series_names(patch_dir / "series")]
+    return [read_patch(patch_dir / name, name) for name in series_names(patch_dir / "series")]
 
 
 _DIFF_START = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
@@ -116,13 +118,13 @@ def apply_patch(tree: Tree, patch: Patch) -> None:
         if target is None or not in_package(target):
             continue
         if old is not None and old not in tree:
-            raise BuildError(f"patch {patch.path.name} does not apply: {old} does not exist in the tree")
+            raise BuildError(f"patch {patch.name or patch.path.name} does not apply: {old} does not exist in the tree")
         source = tree.get(old, "") if old else ""
         try:
             result = whatthepatch.apply_diff(diff, _split_lines(source))
         except whatthepatch.exceptions.HunkApplyException as err:
             where = _hunk_header(diff.text, getattr(err, "hunk", None))
-            raise BuildError(f"patch {patch.path.name} does not apply to {target}{where}: {err}") from None
+            raise BuildError(f"patch {patch.name or patch.path.name} does not apply to {target}{where}: {err}") from None
         if new is None:
             tree.pop(old, None)
             continue

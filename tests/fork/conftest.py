@@ -31,6 +31,7 @@ def patch_copy(tmp_path) -> Path:
 def add_patch(patch_dir: Path, name: str, text: str) -> Path:
     """Append a patch to the series in ``patch_dir``."""
     path = patch_dir / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     with open(patch_dir / "series", "a") as f:
         f.write(name + "\n")

@@ -9,6 +9,7 @@ import pytest
 from fork_tools import upstream
 from fork_tools.materialize import PACKAGE, VERSION_FILE, materialize
 from fork_tools.refresh import check, refresh
+from fork_tools.revision import read_revision
 from fork_tools.series import read_series
 from fork_tools.upstream import ENV_FIND_LINKS, ENV_WHEEL, ROOT, BuildError, Pin, fetch_wheel, read_pin
 from tests.fork.conftest import add_patch
@@ -27,11 +28,11 @@ def test_two_clean_builds_are_byte_identical(offline_wheel, tmp_path):
     assert len(a) > 100  # the whole package, not an empty tree
     assert a.keys() == b.keys()
     assert [path for path in a if a[path] != b[path]] == []
-    assert f"+fsdp.{len(read_series())}" in (first / PACKAGE / VERSION_FILE).read_text()
+    assert f"+fsdp.{read_revision()}" in (first / PACKAGE / VERSION_FILE).read_text()
 
 
 def test_corrupted_patch_names_patch_and_hunk(offline_wheel, patch_copy, tmp_path):
-    victim = patch_copy / "0003-compat-numpy2-inf.patch"
+    victim = patch_copy / "compat" / "numpy2-inf.patch"
     text = victim.read_text()
     context = "         self.min_delta *= 1 if self.monitor_op == torch.gt else -1\n"
     assert context in text
@@ -39,7 +40,7 @@ def test_corrupted_patch_names_patch_and_hunk(offline_wheel, patch_copy, tmp_pat
     with pytest.raises(BuildError) as err:
         materialize(root=tmp_path / "tree", patch_dir=patch_copy)
     message = str(err.value)
-    assert "0003-compat-numpy2-inf.patch" in message
+    assert "compat/numpy2-inf.patch" in message
     assert "pytorch_lightning/callbacks/early_stopping.py" in message
     assert "hunk #1 '@@ -118,7 +118,7 @@'" in message
     assert not (tmp_path / "tree" / PACKAGE).exists()
@@ -101,11 +102,11 @@ def test_refresh_new_patch_round_trip(offline_wheel, patch_copy, tmp_path):
     materialize(root=root, patch_dir=patch_copy)
     edited = root / TARGET
     edited.write_text(MARKER + edited.read_text())
-    refresh("0099-test-edit.patch", subject="test edit", why="round trip", root=root, patch_dir=patch_copy)
+    refresh("fork/test-edit.patch", subject="test edit", why="round trip", root=root, patch_dir=patch_copy)
 
-    new_patch = (patch_copy / "0099-test-edit.patch").read_text()
+    new_patch = (patch_copy / "fork/test-edit.patch").read_text()
     assert "Subject: [PATCH] test edit" in new_patch and f"+{MARKER}" in new_patch
-    assert (patch_copy / "series").read_text().splitlines()[-1] == "0099-test-edit.patch"
+    assert (patch_copy / "series").read_text().splitlines()[-1] == "fork/test-edit.patch"
     assert check(root, patch_copy) == []
     rebuilt = tmp_path / "rebuilt"
     materialize(root=rebuilt, patch_dir=patch_copy)
@@ -113,7 +114,7 @@ def test_refresh_new_patch_round_trip(offline_wheel, patch_copy, tmp_path):
 
 
 def test_changelog_hunk_is_skipped_by_build_and_kept_by_refresh(offline_wheel, patch_copy, tmp_path):
-    add_patch(patch_copy, "0099-synthetic.patch", synthetic_patch())
+    add_patch(patch_copy, "fork/synthetic.patch", synthetic_patch())
     root = tmp_path / "tree"
     materialize(root=root, patch_dir=patch_copy)
     assert (root / TARGET).read_text().startswith(MARKER)
@@ -122,8 +123,8 @@ def test_changelog_hunk_is_skipped_by_build_and_kept_by_refresh(offline_wheel, p
 
     edited = root / TARGET
     edited.write_text(edited.read_text() + "# second edit\n")
-    refresh("0099-synthetic.patch", root=root, patch_dir=patch_copy)
-    text = (patch_copy / "0099-synthetic.patch").read_text()
+    refresh("fork/synthetic.patch", root=root, patch_dir=patch_copy)
+    text = (patch_copy / "fork/synthetic.patch").read_text()
     assert CHANGELOG_DIFF in text
     assert "+# second edit" in text and f"+{MARKER}" in text
     assert check(root, patch_copy) == []
@@ -133,7 +134,7 @@ def test_materialize_refuses_to_drop_unrefreshed_edits(offline_wheel, patch_copy
     root = tmp_path / "tree"
     materialize(root=root, patch_dir=patch_copy)
     (root / TARGET).write_text("# edited\n")
-    add_patch(patch_copy, "0099-synthetic.patch", synthetic_patch())
+    add_patch(patch_copy, "fork/synthetic.patch", synthetic_patch())
     with pytest.raises(BuildError, match="refresh"):
         materialize(root=root, patch_dir=patch_copy)
     shutil.rmtree(root)

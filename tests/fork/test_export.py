@@ -52,7 +52,7 @@ def upstream_repo(offline_wheel, tmp_path) -> Path:
 @pytest.fixture
 def fork_copy(offline_wheel, patch_copy, tmp_path) -> Path:
     """A repository root with the synthetic patch in its series and one new test file."""
-    add_patch(patch_copy, "0099-synthetic.patch", synthetic_patch())
+    add_patch(patch_copy, "fork/synthetic.patch", synthetic_patch())
     (patch_copy.parent / TEST_FILE).parent.mkdir(parents=True)
     (patch_copy.parent / TEST_FILE).write_text(TEST_SOURCE)
     return patch_copy.parent
@@ -61,7 +61,7 @@ def fork_copy(offline_wheel, patch_copy, tmp_path) -> Path:
 def test_export_applies_to_upstream(fork_copy, upstream_repo, tmp_path):
     out = tmp_path / "pr.patch"
     report = export(
-        "0099-synthetic.patch", [fork_copy / TEST_FILE], out, upstream=upstream_repo,
+        "fork/synthetic.patch", [fork_copy / TEST_FILE], out, upstream=upstream_repo,
         patch_dir=fork_copy / "patches", root=fork_copy,
     )
     assert "git apply --check: OK" in report and "no CHANGELOG" not in report
@@ -89,7 +89,7 @@ def test_export_applies_to_upstream(fork_copy, upstream_repo, tmp_path):
 def test_export_reports_git_apply_failure(fork_copy, upstream_repo, tmp_path):
     (upstream_repo / "CHANGELOG.md").write_text("# a different changelog\n")
     with pytest.raises(BuildError, match="git apply --check .* failed") as err:
-        export("0099-synthetic.patch", [], tmp_path / "pr.patch", upstream=upstream_repo,
+        export("fork/synthetic.patch", [], tmp_path / "pr.patch", upstream=upstream_repo,
                patch_dir=fork_copy / "patches", root=fork_copy)
     assert "CHANGELOG.md" in str(err.value)
 
@@ -98,7 +98,7 @@ def test_export_rejects_fork_only_imports(fork_copy, tmp_path):
     bad = fork_copy / "tests" / "callbacks" / "test_bad.py"
     bad.write_text("import numpy\nfrom tests.helpers.cpu_fsdp import x\nfrom tests.helpers import BoringModel, Fancy\n")
     with pytest.raises(BuildError, match="upstream 1.6.5 does not have") as err:
-        export("0099-synthetic.patch", [bad], tmp_path / "pr.patch", patch_dir=fork_copy / "patches", root=fork_copy)
+        export("fork/synthetic.patch", [bad], tmp_path / "pr.patch", patch_dir=fork_copy / "patches", root=fork_copy)
     message = str(err.value)
     assert "test_bad.py:1: imports numpy" in message
     assert "test_bad.py:2: imports tests.helpers.cpu_fsdp" in message
@@ -119,4 +119,4 @@ def test_imports_of_exported_files_are_allowed():
 
 def test_export_unknown_patch(patch_copy, tmp_path):
     with pytest.raises(BuildError, match="not in .*series"):
-        export("9999-nope.patch", [], tmp_path / "x", patch_dir=patch_copy, root=patch_copy.parent)
+        export("fork/nope.patch", [], tmp_path / "x", patch_dir=patch_copy, root=patch_copy.parent)
