@@ -8,11 +8,6 @@ passed as ``strategy(checkpoint_io=...)``). The fork's defaults stream saves int
 checkpoints on resume (patches 0007 and 0008), so the baselines plug in :mod:`benchmarks.upstream_io`, which does
 upstream 1.6.5's I/O. ``optimizer`` overrides the run's ``--optimizer`` for that configuration.
 
-``strategy_mixin`` names a strategy mixin class as ``"module:Class"``. The worker puts it in front of the strategy it
-builds for the accelerator (``DDPFullyShardedStrategy`` on GPUs, its CPU harness subclass on CPUs), so one entry covers
-both, and passes it ``checkpoint_dir=`` (the directory the checkpoint is written to). It is how benchmark-only ideas
-(``spill-save``: :mod:`benchmarks.spill_state_dict`) are measured before they become a patch.
-
 There are no separate ``stream-save``/``shared-load`` configurations: both are the fork's defaults, so ``fork``
 measures them, and ``rank0-only`` (the upstream PR alone, with upstream's I/O) isolates what they add.
 """
@@ -28,19 +23,11 @@ class BenchConfig:
     checkpoint_io: Optional[str] = None
     env: Dict[str, str] = field(default_factory=dict)
     optimizer: Optional[str] = None
-    strategy_mixin: Optional[str] = None
 
     def build_checkpoint_io(self) -> Any:
         if self.checkpoint_io is None:
             return None
         return _resolve(self.checkpoint_io)()
-
-    def build_strategy_cls(self, base: type) -> type:
-        """``base``, or ``base`` with the configuration's ``strategy_mixin`` in front of it."""
-        if self.strategy_mixin is None:
-            return base
-        mixin = _resolve(self.strategy_mixin)
-        return type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
 
 
 def _resolve(qualified_name: str) -> Any:
@@ -57,11 +44,6 @@ CONFIGS: List[BenchConfig] = [
     BenchConfig("upstream", "upstream 1.6.5: full state dict on every rank, buffered save, plain load", _UPSTREAM, _UPSTREAM_IO),
     BenchConfig("rank0-only", "the upstream PR alone: state_dict_on_rank_0_only=True, upstream's I/O", {}, _UPSTREAM_IO),
     BenchConfig("fork", "the fork's defaults: rank-0 state dict, streaming save, mmap-shared resume"),
-    BenchConfig(
-        "spill-save",
-        "the fork, plus rank 0's state dict spilled unit by unit into a file-backed mapping (benchmark-only)",
-        strategy_mixin="benchmarks.spill_state_dict:SpillStateDictMixin",
-    ),
     BenchConfig("upstream-adam", "upstream, with Adam", _UPSTREAM, _UPSTREAM_IO, optimizer="adam"),
     BenchConfig("fork-adam", "the fork's defaults, with Adam", optimizer="adam"),
 ]

@@ -47,13 +47,11 @@ def make_strategy(args: argparse.Namespace) -> Any:
     checkpoint_io = config.build_checkpoint_io()
     if checkpoint_io is not None:
         kwargs["checkpoint_io"] = checkpoint_io
-    if config.strategy_mixin is not None:
-        kwargs["checkpoint_dir"] = str(args.ckpt_dir or args.out)
     if args.accelerator == "gpu":
-        from pytorch_lightning.strategies import DDPFullyShardedStrategy as base
+        from pytorch_lightning.strategies import DDPFullyShardedStrategy as strategy_cls
     else:
-        from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy as base
-    return config.build_strategy_cls(base)(**kwargs)
+        from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy as strategy_cls
+    return strategy_cls(**kwargs)
 
 
 def make_model(args: argparse.Namespace) -> CheckpointModel:
