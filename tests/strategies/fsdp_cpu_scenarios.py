@@ -9,11 +9,11 @@ from typing import Any, Dict, List
 
 import torch
 
+from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
+from fsdp_harness.models import FSDPModel, full_parameters
+from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
-from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy
-from tests.helpers.fsdp_models import FSDPModel, full_parameters
-from tests.helpers.scenario import main, quiet_trainer_kwargs
 
 
 def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]:

@@ -5,7 +5,7 @@ Adding a configuration is one entry in :data:`CONFIGS`. A configuration maps to 
 
 ``checkpoint_io`` names a ``CheckpointIO`` class as ``"module:Class"`` (built with no arguments in every rank and
 passed as ``strategy(checkpoint_io=...)``). The fork's defaults stream saves into a temporary file and memory-map
-checkpoints on resume (patches 0007 and 0008), so the baselines plug in :mod:`benchmarks.upstream_io`, which does
+checkpoints on resume (patches 0007 and 0008), so the baselines plug in :mod:`fsdp_benchmarks.upstream_io`, which does
 upstream 1.6.5's I/O. ``optimizer`` overrides the run's ``--optimizer`` for that configuration.
 
 There are no separate ``stream-save``/``shared-load`` configurations: both are the fork's defaults, so ``fork``
@@ -37,7 +37,7 @@ def _resolve(qualified_name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-_UPSTREAM_IO = "benchmarks.upstream_io:UpstreamCheckpointIO"
+_UPSTREAM_IO = "fsdp_benchmarks.upstream_io:UpstreamCheckpointIO"
 _UPSTREAM = {"state_dict_on_rank_0_only": False}
 
 CONFIGS: List[BenchConfig] = [
