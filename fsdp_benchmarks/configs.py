@@ -5,11 +5,13 @@ Adding a configuration is one entry in :data:`CONFIGS`. A configuration maps to 
 
 ``checkpoint_io`` names a ``CheckpointIO`` class as ``"module:Class"`` (built with no arguments in every rank and
 passed as ``strategy(checkpoint_io=...)``). The fork's defaults stream saves into a temporary file and memory-map
-checkpoints on resume (patches 0007 and 0008), so the baselines plug in :mod:`fsdp_benchmarks.upstream_io`, which does
-upstream 1.6.5's I/O. ``optimizer`` overrides the run's ``--optimizer`` for that configuration.
+checkpoints on resume (the fork/streaming-atomic-save and fork/mmap-checkpoint-load patches), so the baselines plug in
+:mod:`fsdp_benchmarks.upstream_io`, which does upstream 1.6.5's I/O. Every configuration, the baselines included,
+consolidates the optimizer state on rank 0 (the fork/fsdp-consolidated-optimizer-state patch), which 1.6.5 did not.
+``optimizer`` overrides the run's ``--optimizer`` for that configuration.
 
 There are no separate ``stream-save``/``shared-load`` configurations: both are the fork's defaults, so ``fork``
-measures them, and ``rank0-only`` (the upstream PR alone, with upstream's I/O) isolates what they add.
+measures them, and ``rank0-only`` (the upstream PR, with upstream's I/O) isolates what they add.
 """
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -41,8 +43,18 @@ _UPSTREAM_IO = "fsdp_benchmarks.upstream_io:UpstreamCheckpointIO"
 _UPSTREAM = {"state_dict_on_rank_0_only": False}
 
 CONFIGS: List[BenchConfig] = [
-    BenchConfig("upstream", "upstream 1.6.5: full state dict on every rank, buffered save, plain load", _UPSTREAM, _UPSTREAM_IO),
-    BenchConfig("rank0-only", "the upstream PR alone: state_dict_on_rank_0_only=True, upstream's I/O", {}, _UPSTREAM_IO),
+    BenchConfig(
+        "upstream",
+        "upstream save path + consolidated optimizer state: full state dict on every rank, buffered save, plain load",
+        _UPSTREAM,
+        _UPSTREAM_IO,
+    ),
+    BenchConfig(
+        "rank0-only",
+        "the upstream PR + consolidated optimizer state: state_dict_on_rank_0_only=True, upstream's I/O",
+        {},
+        _UPSTREAM_IO,
+    ),
     BenchConfig("fork", "the fork's defaults: rank-0 state dict, streaming save, mmap-shared resume"),
     BenchConfig("upstream-adam", "upstream, with Adam", _UPSTREAM, _UPSTREAM_IO, optimizer="adam"),
     BenchConfig("fork-adam", "the fork's defaults, with Adam", optimizer="adam"),

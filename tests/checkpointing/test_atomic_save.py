@@ -1,4 +1,4 @@
-"""Tests for the streaming, atomic ``atomic_save`` (patch ``0007-streaming-atomic-save``)."""
+"""Tests for the streaming, atomic ``atomic_save`` (the fork/streaming-atomic-save patch)."""
 import errno
 import os
 import signal

@@ -1,5 +1,5 @@
-"""Single-process checks of CheckpointError (patch 0006); the 2-rank fault scenarios are in
-tests/strategies/test_ddp_fully_sharded_faults.py."""
+"""Single-process checks of CheckpointError (the fork/checkpoint-errors-on-every-rank patch); the 2-rank fault
+scenarios are in tests/strategies/test_ddp_fully_sharded_faults.py."""
 import errno
 import os
 from unittest import mock

@@ -1,4 +1,5 @@
-"""Trainer-level round trips through the streaming save and the memory-mapped load (patches 0005 and 0006)."""
+"""Trainer-level round trips through the streaming save and the memory-mapped load (the fork/streaming-atomic-save and
+fork/mmap-checkpoint-load patches)."""
 import copy
 import inspect
 

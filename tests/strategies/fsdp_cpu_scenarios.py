@@ -76,7 +76,8 @@ def checkpoint_contents(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit with ModelCheckpoint(save_last, top-2), then save full and weights-only checkpoints; report what each
     rank held and, on rank 0, how every written file compares with the gathered parameters."""
     seed_everything(2)
-    # frozen extras: trainable parameters outside FSDP cannot have their optimizer state consolidated (patch 0011)
+    # frozen extras: trainable parameters outside FSDP cannot have their optimizer state consolidated (the
+    # fork/fsdp-consolidated-optimizer-state patch)
     model_kwargs = dict(
         width=16, units=3, wrapping=args.wrapping, extra_before=True, extra_after=True, train_extras=False
     )
