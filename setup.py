@@ -38,7 +38,8 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["pytorch_lightning", "pytorch_lightning.*"]),
     package_data={"pytorch_lightning": ["py.typed"]},
-    python_requires=">=3.8",
+    # fork_tools (run by this build) uses sys.stdlib_module_names, new in 3.10; torch 2.13 needs 3.10 as well.
+    python_requires=">=3.10",
     install_requires=_requirements("base.txt"),
     extras_require={"test": _requirements("test.txt")},
     zip_safe=False,

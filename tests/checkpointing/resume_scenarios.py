@@ -1,25 +1,20 @@
 """Multi-process resume scenarios on CPU (2 ranks over gloo), run as ``python -m tests.checkpointing.resume_scenarios``.
 
-Each scenario runs on every rank and returns a JSON-able dict (see :mod:`tests.helpers.scenario`); the driving tests
+Each scenario runs on every rank and returns a JSON-able dict (see :mod:`fsdp_harness.scenario`); the driving tests
 are in ``test_resume_multiprocess.py``.
 """
 import argparse
-import copy
 from pathlib import Path
 from typing import Any, Dict
 
 import torch
 
-from pytorch_lightning import Callback, Trainer, seed_everything
+from fsdp_harness.scenario import main, quiet_trainer_kwargs
+from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
-from tests.helpers.boring_model import BoringModel
 from tests.helpers.mmap_check import is_mapped_from
-from tests.helpers.scenario import main, quiet_trainer_kwargs
-
-
-class AdamModel(BoringModel):
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.layer.parameters(), lr=0.01)
+from tests.helpers.optimizer_models import AdamModel
+from tests.helpers.resume_check import RecordOnTrainStart, state_mismatches
 
 
 def _trainer(args: argparse.Namespace, **overrides: Any) -> Trainer:
@@ -37,27 +32,6 @@ class RecordingCheckpointIO(TorchCheckpointIO):
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         self.mapped = [is_mapped_from(t, Path(path)) for t in tensors]
         return checkpoint
-
-
-class RecordOnTrainStart(Callback):
-    def on_train_start(self, trainer, pl_module):
-        self.state_dict = copy.deepcopy(pl_module.state_dict())
-        self.optimizer_state = copy.deepcopy(trainer.optimizers[0].state_dict())
-
-
-def _mismatches(actual: Any, expected: Any, prefix: str = "") -> list:
-    if isinstance(expected, torch.Tensor):
-        ok = isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype and torch.equal(actual, expected)
-        return [] if ok else [prefix]
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict) or actual.keys() != expected.keys():
-            return [prefix + "/<keys>"]
-        return [m for k in expected for m in _mismatches(actual[k], expected[k], f"{prefix}/{k}")]
-    if isinstance(expected, (list, tuple)):
-        if len(actual) != len(expected):
-            return [prefix + "/<len>"]
-        return [m for i, (a, e) in enumerate(zip(actual, expected)) for m in _mismatches(a, e, f"{prefix}/{i}")]
-    return [] if actual == expected else [prefix]
 
 
 def ddp_resume(args: argparse.Namespace) -> Dict[str, Any]:
@@ -80,8 +54,8 @@ def ddp_resume(args: argparse.Namespace) -> Dict[str, Any]:
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
         "mapped": checkpoint_io.mapped,
-        "model_mismatches": _mismatches(record.state_dict, saved["state_dict"]),
-        "optimizer_mismatches": _mismatches(record.optimizer_state, saved["optimizer_states"][0]),
+        "model_mismatches": state_mismatches(record.state_dict, saved["state_dict"]),
+        "optimizer_mismatches": state_mismatches(record.optimizer_state, saved["optimizer_states"][0]),
         "optimizer_state_tensors": sum(len(s) for s in saved["optimizer_states"][0]["state"].values()),
         "stray_files": sorted(p.name for p in args.out.iterdir() if p.name.endswith(".tmp")),
     }

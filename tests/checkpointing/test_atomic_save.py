@@ -1,4 +1,4 @@
-"""Tests for the streaming, atomic ``atomic_save`` (patch ``0007-streaming-atomic-save``)."""
+"""Tests for the streaming, atomic ``atomic_save`` (the fork/streaming-atomic-save patch)."""
 import errno
 import os
 import signal
@@ -13,10 +13,11 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
+from fsdp_harness.multiprocess import ROOT
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
 from pytorch_lightning.utilities.cloud_io import atomic_save
 from pytorch_lightning.utilities.cloud_io import load as pl_load
-from tests.helpers.multiprocess import ROOT
+from tests.helpers.write_hook import hooked_fdopen
 
 
 def _checkpoint(seed: int = 0, numel: int = 1000):
@@ -115,29 +116,14 @@ def test_atomic_save_failing_write_keeps_previous_checkpoint(tmp_path, monkeypat
     atomic_save(_checkpoint(0), path)
     before = path.read_bytes()
 
-    real_fdopen = os.fdopen
     written = []
 
-    class FullDisk:
-        def __init__(self, f):
-            self._f = f
+    def fill_up(data):
+        if sum(written) + len(data) > 64 * 1024:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(len(data))
 
-        def write(self, data):
-            if sum(written) + len(data) > 64 * 1024:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            written.append(len(data))
-            return self._f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *args):
-            self._f.close()
-
-    monkeypatch.setattr(os, "fdopen", lambda *args, **kwargs: FullDisk(real_fdopen(*args, **kwargs)))
+    monkeypatch.setattr(os, "fdopen", hooked_fdopen(fill_up))
     # torch's zip writer may report the failed write as a RuntimeError while closing the archive
     with pytest.raises((OSError, RuntimeError)):
         atomic_save(_checkpoint(1, numel=1_000_000), path)
@@ -160,24 +146,10 @@ _KILL_SCRIPT = textwrap.dedent(
     import os, sys, time
     import torch
     from pytorch_lightning.utilities.cloud_io import atomic_save
+    from tests.helpers.write_hook import hooked_fdopen
 
-    real_fdopen = os.fdopen
-
-    class SlowFile:
-        # every write takes a while, so that the parent can kill this process in the middle of the file
-        def __init__(self, f):
-            self._f = f
-        def write(self, data):
-            time.sleep(0.05)
-            return self._f.write(data)
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-        def __enter__(self):
-            return self
-        def __exit__(self, *args):
-            self._f.close()
-
-    os.fdopen = lambda *args, **kwargs: SlowFile(real_fdopen(*args, **kwargs))
+    # every write takes a while, so that the parent can kill this process in the middle of the file
+    os.fdopen = hooked_fdopen(lambda data: time.sleep(0.05))
     checkpoint = {"state_dict": {f"w{i}": torch.full((256 * 1024,), float(i)) for i in range(200)}}
     atomic_save(checkpoint, sys.argv[1])
     """

@@ -1,5 +1,5 @@
-"""Single-process checks of CheckpointError (patch 0006); the 2-rank fault scenarios are in
-tests/strategies/test_ddp_fully_sharded_faults.py."""
+"""Single-process checks of CheckpointError (the fork/checkpoint-errors-on-every-rank patch); the 2-rank fault
+scenarios are in tests/strategies/test_ddp_fully_sharded_faults.py."""
 import errno
 import os
 from unittest import mock
@@ -7,17 +7,13 @@ from unittest import mock
 import pytest
 import torch
 
+from fsdp_harness.corrupt_checkpoint import KINDS, make_bad_checkpoint
+from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.trainer.connectors.checkpoint_connector import CheckpointConnector
 from pytorch_lightning.utilities.exceptions import CheckpointError
-from tests.helpers.boring_model import BoringModel
-from tests.helpers.scenario import quiet_trainer_kwargs
-
-
-class Model(BoringModel):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
+from tests.helpers.optimizer_models import SGDModel
 
 
 class FullDiskIO(TorchCheckpointIO):
@@ -32,7 +28,7 @@ def _trainer(tmp_path, **kwargs):
 
 def test_failed_save_raises_checkpoint_error_naming_the_path(tmp_path):
     trainer = _trainer(tmp_path, plugins=[FullDiskIO()])
-    trainer.fit(Model())
+    trainer.fit(SGDModel())
     path = tmp_path / "model.ckpt"
     with pytest.raises(CheckpointError, match="Saving the checkpoint to .*model.ckpt.* failed: OSError") as info:
         trainer.save_checkpoint(path)
@@ -40,27 +36,15 @@ def test_failed_save_raises_checkpoint_error_naming_the_path(tmp_path):
     assert not path.exists()
 
 
-@pytest.mark.parametrize("kind", ["missing", "empty", "random", "truncated", "not_a_checkpoint", "wrong_keys"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_bad_checkpoint_on_resume_raises_checkpoint_error_naming_the_path(tmp_path, kind):
     good = tmp_path / "good.ckpt"
     trainer = _trainer(tmp_path)
-    trainer.fit(Model())
+    trainer.fit(SGDModel())
     trainer.save_checkpoint(good)
     bad = tmp_path / f"{kind}.ckpt"
-    data = good.read_bytes()
-    if kind == "empty":
-        bad.write_bytes(b"")
-    elif kind == "random":
-        bad.write_bytes(os.urandom(len(data)))
-    elif kind == "truncated":
-        bad.write_bytes(data[: len(data) // 2])
-    elif kind == "not_a_checkpoint":
-        torch.save([1, 2, 3], bad)
-    elif kind == "wrong_keys":
-        checkpoint = torch.load(good, weights_only=False)
-        checkpoint["state_dict"] = {"encoder." + k: v for k, v in checkpoint["state_dict"].items()}
-        torch.save(checkpoint, bad)
-    model = Model()
+    make_bad_checkpoint(kind, good, bad)
+    model = SGDModel()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _trainer(tmp_path, max_epochs=2)
     with pytest.raises(CheckpointError, match=f"Loading the .*{kind}.ckpt.* failed"):

@@ -1,4 +1,4 @@
-"""Tests for memory-mapped checkpoint loading (patch ``0008-mmap-checkpoint-load``)."""
+"""Tests for memory-mapped checkpoint loading (the fork/mmap-checkpoint-load patch)."""
 import inspect
 import mmap
 import sys

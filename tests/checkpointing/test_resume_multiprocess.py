@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.multiprocess import assert_success, run_module
-from tests.helpers.scenario import read_results
+from fsdp_harness.multiprocess import assert_success, run_module
+from fsdp_harness.scenario import read_results
 
 
 @pytest.mark.timeout(300)

@@ -1,14 +1,9 @@
-"""The installed fork on today's stack: ModelCheckpoint/EarlyStopping under numpy 2, and the fork's version."""
+"""The installed fork on today's stack: ModelCheckpoint/EarlyStopping under numpy 2."""
 from pathlib import Path
 
 import numpy as np
 import torch
 
-import pytorch_lightning
-from fork_tools.materialize import fork_version, inputs_digest
-from fork_tools.revision import read_revision
-from fork_tools.series import read_series
-from fork_tools.upstream import read_pin
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from tests.helpers import BoringModel
@@ -37,16 +32,3 @@ def test_checkpoint_and_early_stopping_under_numpy2(tmp_path):
     assert torch.isfinite(early_stopping.best_score)  # np.inf start value was replaced by a real loss
     state = torch.load(written[0], map_location="cpu", weights_only=False)
     assert "state_dict" in state and state["epoch"] >= 0
-
-
-def test_version_names_the_fork_and_the_current_series():
-    patches = read_series()
-    assert pytorch_lightning.__version__.endswith(f"+fsdp.{read_revision()}")
-    assert pytorch_lightning.__version__ == fork_version(read_pin())
-    # Built from exactly these patches, so the tests never run against a stale install or tree.
-    from pytorch_lightning import _fork_version
-
-    assert _fork_version.inputs == inputs_digest(read_pin(), patches), (
-        f"imported {pytorch_lightning.__file__} was built from other patches; rebuild it "
-        "(python -m fork_tools materialize, or pip install . again)"
-    )

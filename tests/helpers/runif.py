@@ -43,7 +43,7 @@ class RunIf:
         if standalone:
             conditions.append(os.getenv("PL_RUN_STANDALONE_TESTS", "0") != "1")
             reasons.append("Standalone execution")
-            # run_standalone_tests.sh and conftest.py select tests by this marker
+            # tests/standalone_tests.sh and tests/conftest.py select tests by this marker
             kwargs["standalone"] = True
         if fairscale_fully_sharded:
             conditions.append(not _FAIRSCALE_FULLY_SHARDED_AVAILABLE)

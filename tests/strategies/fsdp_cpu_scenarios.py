@@ -9,11 +9,11 @@ from typing import Any, Dict, List
 
 import torch
 
+from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
+from fsdp_harness.models import FSDPModel, full_parameters
+from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
-from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy
-from tests.helpers.fsdp_models import FSDPModel, full_parameters
-from tests.helpers.scenario import main, quiet_trainer_kwargs
 
 
 def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]:
@@ -76,7 +76,8 @@ def checkpoint_contents(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit with ModelCheckpoint(save_last, top-2), then save full and weights-only checkpoints; report what each
     rank held and, on rank 0, how every written file compares with the gathered parameters."""
     seed_everything(2)
-    # frozen extras: trainable parameters outside FSDP cannot have their optimizer state consolidated (patch 0011)
+    # frozen extras: trainable parameters outside FSDP cannot have their optimizer state consolidated (the
+    # fork/fsdp-consolidated-optimizer-state patch)
     model_kwargs = dict(
         width=16, units=3, wrapping=args.wrapping, extra_before=True, extra_after=True, train_extras=False
     )

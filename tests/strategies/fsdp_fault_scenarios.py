@@ -1,7 +1,7 @@
 """Checkpoint fault scenarios on CPU FSDP (2 ranks over gloo): ``python -m tests.strategies.fsdp_fault_scenarios``.
 
 Each scenario injects one fault into checkpoint saving or loading. Scenarios that are expected to fail let the
-exception escape, so the process exits non-zero; ``tests.helpers.scenario.main`` writes the traceback of each rank to
+exception escape, so the process exits non-zero; ``fsdp_harness.scenario.main`` writes the traceback of each rank to
 ``<out>/rank<N>.error``. Facts the driving test needs (hashes of files before the fault, the time of the fault) are
 written by rank 0 to ``<out>/facts.json`` before the fault happens. Driven by ``test_ddp_fully_sharded_faults.py``.
 """
@@ -18,14 +18,14 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
+from fsdp_harness.models import FSDPModel
+from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
 from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.utilities.types import _PATH
-from tests.helpers.boring_model import BoringModel
-from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy
-from tests.helpers.fsdp_models import FSDPModel
-from tests.helpers.scenario import global_rank, main, quiet_trainer_kwargs
+from tests.helpers.optimizer_models import SGDModel
 
 
 def sha256(path: Path) -> str:
@@ -81,13 +81,6 @@ class RankFailingLoadIO(TorchCheckpointIO):
         return super().load_checkpoint(path, map_location)
 
 
-class PlainModel(BoringModel):
-    """``BoringModel`` without its scheduler (Lightning 1.6 rejects torch 2's ``StepLR`` as not an ``_LRScheduler``)."""
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
-
-
 def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]:
     defaults = {"strategy": CPUFullyShardedStrategy(), "max_epochs": 1, "limit_val_batches": 0}
     return quiet_trainer_kwargs(args.out, args.devices, **{**defaults, **overrides})
@@ -141,7 +134,7 @@ def resume_bad(args: argparse.Namespace) -> Dict[str, Any]:
     """``fit(ckpt_path=...)`` from the file at ``--ckpt`` (prepared by the test), or with a load that fails on global
     rank 1 only (``--ckpt`` a good checkpoint and ``--fail-load-rank 1``)."""
     seed_everything(1)
-    model = PlainModel()
+    model = SGDModel()
     plugins = [RankFailingLoadIO(args, args.fail_load_rank)]
     trainer = Trainer(**trainer_kwargs(args, plugins=plugins, max_epochs=2, limit_train_batches=2))
     trainer.fit(model, ckpt_path=args.ckpt)
@@ -152,13 +145,13 @@ def save_good(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit ``BoringModel`` briefly and save a good checkpoint to ``--ckpt``, for the resume scenarios."""
     seed_everything(1)
     trainer = Trainer(**trainer_kwargs(args, limit_train_batches=2))
-    trainer.fit(PlainModel())
+    trainer.fit(SGDModel())
     trainer.save_checkpoint(args.ckpt)
     return {"rank": trainer.global_rank}
 
 
-class BigModel(PlainModel):
-    """``PlainModel`` plus a large buffer, so that writing its checkpoint takes a while."""
+class BigModel(SGDModel):
+    """``SGDModel`` plus a large buffer, so that writing its checkpoint takes a while."""
 
     def __init__(self, megabytes: int) -> None:
         super().__init__()

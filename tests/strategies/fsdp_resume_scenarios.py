@@ -9,14 +9,15 @@ import warnings
 from typing import Any, Dict, List
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
+from fsdp_harness.memory_sampler import MIB, PeakMemory
+from fsdp_harness.models import FSDPModel, full_parameters
+from fsdp_harness.scenario import global_rank, main
 from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy
-from tests.helpers.fsdp_models import FSDPModel, full_parameters
-from tests.helpers.scenario import global_rank, main
 
 WIDTH = 8
 
@@ -31,16 +32,7 @@ class ResumeModel(FSDPModel):
 
     def _loader(self) -> DataLoader:
         data = torch.randn(self.batches * 2 * 2, self.width, generator=torch.Generator().manual_seed(1234))
-        return DataLoader(TensorDataset(data), batch_size=2)
-
-    def training_step(self, batch, batch_idx):
-        return super().training_step(batch[0], batch_idx)
-
-    def validation_step(self, batch, batch_idx):
-        return super().validation_step(batch[0], batch_idx)
-
-    def test_step(self, batch, batch_idx):
-        return super().test_step(batch[0], batch_idx)
+        return DataLoader(data, batch_size=2)
 
     def configure_optimizers(self):
         if self.param_groups == 1:
@@ -126,46 +118,24 @@ def consolidate(args: argparse.Namespace) -> Dict[str, Any]:
 
 def memory(args: argparse.Namespace) -> Dict[str, Any]:
     """Peak host-memory growth of each rank while the optimizer state is consolidated (Adam, larger layers)."""
-    import gc
-    import threading
-    import time
-
-    import psutil
-
     seed_everything(7)
     model = make_model(args, width=args.width, units=4, batches=1)
     trainer = make_trainer(args, max_epochs=1)
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
     trainer.fit(model)
-    gc.collect()
-    process = psutil.Process()
-    baseline = process.memory_info().rss
-    peak = [baseline]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.0005)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    full = trainer.strategy.optimizer_state(trainer.optimizers[0])
-    done.set()
-    sampler.join()
-    peak[0] = max(peak[0], process.memory_info().rss)
-    mib = 2**20
+    with PeakMemory() as meter:
+        full = trainer.strategy.optimizer_state(trainer.optimizers[0])
     unit_params = args.width * args.width + args.width
     local_state = sum(
         t.numel() * t.element_size() for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim()
     )
     return {
         "rank": trainer.global_rank,
-        "growth_mib": (peak[0] - baseline) / mib,
-        "unit_params_mib": unit_params * 4 / mib,
-        "unit_with_adam_state_mib": 3 * unit_params * 4 / mib,
-        "full_adam_state_mib": 2 * 4 * unit_params * 4 / mib,
-        "local_adam_state_mib": local_state / mib,
+        "growth_mib": meter.result()["peak_extra_mb"],
+        "unit_params_mib": unit_params * 4 / MIB,
+        "unit_with_adam_state_mib": 3 * unit_params * 4 / MIB,
+        "full_adam_state_mib": 2 * 4 * unit_params * 4 / MIB,
+        "local_adam_state_mib": local_state / MIB,
         "full_keys": sorted(full),
     }
 

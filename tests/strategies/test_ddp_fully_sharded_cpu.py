@@ -1,8 +1,8 @@
-"""DDPFullyShardedStrategy with real FairScale FSDP on 2 CPU processes (see tests/helpers/cpu_fsdp.py)."""
+"""DDPFullyShardedStrategy with real FairScale FSDP on 2 CPU processes (see fsdp_harness/cpu_fsdp.py)."""
 import pytest
 
-from tests.helpers.multiprocess import assert_success, run_module
-from tests.helpers.scenario import read_results
+from fsdp_harness.multiprocess import assert_success, run_module
+from fsdp_harness.scenario import read_results
 
 SCENARIOS = "tests.strategies.fsdp_cpu_scenarios"
 

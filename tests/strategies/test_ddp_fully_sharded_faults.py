@@ -1,4 +1,4 @@
-"""Checkpointing under faults with DDPFullyShardedStrategy on 2 CPU processes (see tests/helpers/cpu_fsdp.py).
+"""Checkpointing under faults with DDPFullyShardedStrategy on 2 CPU processes (see fsdp_harness/cpu_fsdp.py).
 
 A failed checkpoint write on rank 0 and a bad checkpoint on resume must stop every rank within seconds with an
 error naming the file, without relying on process-group timeouts, and must never cost the last good checkpoint.
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-import torch
 
-from tests.helpers.multiprocess import ScriptResult, assert_success, run_module
+from fsdp_harness.corrupt_checkpoint import make_bad_checkpoint
+from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
 
 SCENARIOS = "tests.strategies.fsdp_fault_scenarios"
 MAX_EXIT_SECONDS = 60
@@ -116,25 +116,6 @@ def good_checkpoint(tmp_path_factory) -> Path:
     ckpt = out / "good.ckpt"
     assert_success(run_module(SCENARIOS, ["save_good", "--out", str(out), "--ckpt", str(ckpt)], timeout=180))
     return ckpt
-
-
-def make_bad_checkpoint(kind: str, good: Path, path: Path) -> None:
-    data = good.read_bytes()
-    if kind == "truncated":
-        path.write_bytes(data[: len(data) // 2])
-    elif kind == "random":
-        generator = torch.Generator().manual_seed(0)
-        path.write_bytes(torch.randint(0, 256, (len(data),), dtype=torch.uint8, generator=generator).numpy().tobytes())
-    elif kind == "empty":
-        path.write_bytes(b"")
-    elif kind == "not_a_checkpoint":
-        torch.save([1, 2, 3], path)
-    elif kind == "wrong_keys":
-        checkpoint = torch.load(good, weights_only=False)
-        checkpoint["state_dict"] = {"encoder." + k: v for k, v in checkpoint["state_dict"].items()}
-        torch.save(checkpoint, path)
-    else:
-        raise ValueError(kind)
 
 
 @pytest.mark.timeout(240)

@@ -1,7 +1,7 @@
 """Resuming ``DDPFullyShardedStrategy`` checkpoints: consolidated optimizer state, restore after sharding, re-sharding
 for another world size, and checkpoints of upstream 1.6.5's format (scenarios in ``fsdp_resume_scenarios.py``).
 
-Every scenario runs real FairScale FSDP on CPU processes over gloo (see ``tests/helpers/cpu_fsdp.py``); the model
+Every scenario runs real FairScale FSDP on CPU processes over gloo (see ``fsdp_harness/cpu_fsdp.py``); the model
 creates and wraps its layers in ``configure_sharded_model``.
 """
 from pathlib import Path
@@ -10,9 +10,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from tests.helpers.multiprocess import assert_success, run_module
+from fsdp_harness.multiprocess import assert_success, run_module
+from fsdp_harness.scenario import read_results
 from tests.helpers.runif import RunIf
-from tests.helpers.scenario import read_results
 
 SCENARIOS = "tests.strategies.fsdp_resume_scenarios"
 
@@ -239,8 +239,8 @@ def test_consolidation_memory_on_other_ranks(tmp_path):
     """Only global rank 0 grows by the full optimizer state; rank 1 needs no more than the gather buffers of one FSDP
     unit (issue bound: 2 x one unit with its optimizer state + 5% of model and optimizer state).
 
-    glibc is told to return freed large blocks to the OS, so that the RSS peak measures live memory rather than
-    what the allocator keeps cached between the per-unit gathers.
+    glibc is told to return freed large blocks to the OS, so that the anonymous-memory peak (``PeakMemory``) measures
+    live memory rather than what the allocator keeps cached between the per-unit gathers.
     """
     result = run_module(
         SCENARIOS,

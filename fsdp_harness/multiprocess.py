@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ScriptResult(NamedTuple):

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.helpers.boring_model import BoringModel, RandomDataset
+from pytorch_lightning import LightningModule
 
 
-class FSDPModel(BoringModel):
+class FSDPModel(LightningModule):
     """``units`` FSDP-wrapped blocks of ``width x width`` linear layers inside one outer FSDP wrapper.
 
     Args:
@@ -44,7 +44,6 @@ class FSDPModel(BoringModel):
         super().__init__()
         self.width, self.units, self.wrapping = width, units, wrapping
         self.optimizer_name, self.use_scheduler, self.batches, self.lr = optimizer, scheduler, batches, lr
-        del self.layer
         self.layer: Optional[nn.Module] = None
         self.train_extras = train_extras
         if extra_before:
@@ -74,6 +73,21 @@ class FSDPModel(BoringModel):
             x = x * self.after
         return x
 
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        # Towards an all-ones output: any differentiable scalar would do.
+        prediction = self(batch)
+        return nn.functional.mse_loss(prediction, torch.ones_like(prediction))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        # ``val_loss`` is what the scenarios' ModelCheckpoint monitors.
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "adam":
@@ -90,8 +104,9 @@ class FSDPModel(BoringModel):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
 
     def _loader(self) -> DataLoader:
-        # Seeded by the global seed; every rank sees its own shard through Lightning's DistributedSampler.
-        return DataLoader(RandomDataset(self.width, self.batches * 2 * 2), batch_size=2)
+        # Random vectors from the global seed (a tensor is a map-style dataset of its rows); every rank sees its own
+        # shard through Lightning's DistributedSampler.
+        return DataLoader(torch.randn(self.batches * 2 * 2, self.width), batch_size=2)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader()

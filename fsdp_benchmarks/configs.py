@@ -5,16 +5,13 @@ Adding a configuration is one entry in :data:`CONFIGS`. A configuration maps to 
 
 ``checkpoint_io`` names a ``CheckpointIO`` class as ``"module:Class"`` (built with no arguments in every rank and
 passed as ``strategy(checkpoint_io=...)``). The fork's defaults stream saves into a temporary file and memory-map
-checkpoints on resume (patches 0007 and 0008), so the baselines plug in :mod:`benchmarks.upstream_io`, which does
-upstream 1.6.5's I/O. ``optimizer`` overrides the run's ``--optimizer`` for that configuration.
-
-``strategy_mixin`` names a strategy mixin class as ``"module:Class"``. The worker puts it in front of the strategy it
-builds for the accelerator (``DDPFullyShardedStrategy`` on GPUs, its CPU harness subclass on CPUs), so one entry covers
-both, and passes it ``checkpoint_dir=`` (the directory the checkpoint is written to). It is how benchmark-only ideas
-(``spill-save``: :mod:`benchmarks.spill_state_dict`) are measured before they become a patch.
+checkpoints on resume (the fork/streaming-atomic-save and fork/mmap-checkpoint-load patches), so the baselines plug in
+:mod:`fsdp_benchmarks.upstream_io`, which does upstream 1.6.5's I/O. Every configuration, the baselines included,
+consolidates the optimizer state on rank 0 (the fork/fsdp-consolidated-optimizer-state patch), which 1.6.5 did not.
+``optimizer`` overrides the run's ``--optimizer`` for that configuration.
 
 There are no separate ``stream-save``/``shared-load`` configurations: both are the fork's defaults, so ``fork``
-measures them, and ``rank0-only`` (the upstream PR alone, with upstream's I/O) isolates what they add.
+measures them, and ``rank0-only`` (the upstream PR, with upstream's I/O) isolates what they add.
 """
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -28,19 +25,11 @@ class BenchConfig:
     checkpoint_io: Optional[str] = None
     env: Dict[str, str] = field(default_factory=dict)
     optimizer: Optional[str] = None
-    strategy_mixin: Optional[str] = None
 
     def build_checkpoint_io(self) -> Any:
         if self.checkpoint_io is None:
             return None
         return _resolve(self.checkpoint_io)()
-
-    def build_strategy_cls(self, base: type) -> type:
-        """``base``, or ``base`` with the configuration's ``strategy_mixin`` in front of it."""
-        if self.strategy_mixin is None:
-            return base
-        mixin = _resolve(self.strategy_mixin)
-        return type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
 
 
 def _resolve(qualified_name: str) -> Any:
@@ -50,18 +39,23 @@ def _resolve(qualified_name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-_UPSTREAM_IO = "benchmarks.upstream_io:UpstreamCheckpointIO"
+_UPSTREAM_IO = "fsdp_benchmarks.upstream_io:UpstreamCheckpointIO"
 _UPSTREAM = {"state_dict_on_rank_0_only": False}
 
 CONFIGS: List[BenchConfig] = [
-    BenchConfig("upstream", "upstream 1.6.5: full state dict on every rank, buffered save, plain load", _UPSTREAM, _UPSTREAM_IO),
-    BenchConfig("rank0-only", "the upstream PR alone: state_dict_on_rank_0_only=True, upstream's I/O", {}, _UPSTREAM_IO),
-    BenchConfig("fork", "the fork's defaults: rank-0 state dict, streaming save, mmap-shared resume"),
     BenchConfig(
-        "spill-save",
-        "the fork, plus rank 0's state dict spilled unit by unit into a file-backed mapping (benchmark-only)",
-        strategy_mixin="benchmarks.spill_state_dict:SpillStateDictMixin",
+        "upstream",
+        "upstream save path + consolidated optimizer state: full state dict on every rank, buffered save, plain load",
+        _UPSTREAM,
+        _UPSTREAM_IO,
     ),
+    BenchConfig(
+        "rank0-only",
+        "the upstream PR + consolidated optimizer state: state_dict_on_rank_0_only=True, upstream's I/O",
+        {},
+        _UPSTREAM_IO,
+    ),
+    BenchConfig("fork", "the fork's defaults: rank-0 state dict, streaming save, mmap-shared resume"),
     BenchConfig("upstream-adam", "upstream, with Adam", _UPSTREAM, _UPSTREAM_IO, optimizer="adam"),
     BenchConfig("fork-adam", "the fork's defaults, with Adam", optimizer="adam"),
 ]

@@ -1,4 +1,4 @@
-"""One rank of one benchmark run: ``python -m benchmarks.worker --config NAME --out DIR ...``.
+"""One rank of one benchmark run: ``python -m fsdp_benchmarks.worker save_and_resume --config NAME --out DIR ...``.
 
 Lightning's launcher starts ranks >= 1 by re-running this command line, so it must stay a ``python -m`` module run
 from the repository root. Every rank:
@@ -15,7 +15,7 @@ from the repository root. Every rank:
    the checkpoint on top of what the rank held just before, whether Lightning restores before sharding (upstream
    1.6.5) or after. The wall time covers the same window (with upstream's order it includes wrapping the model).
    Training stops at ``on_train_start``; the resumed parameters are gathered and compared with the file again;
-5. writes ``<out>/rank<N>.json``.
+5. writes ``<out>/rank<N>.json`` (or, when it raises, ``<out>/rank<N>.error``; see :mod:`fsdp_harness.scenario`).
 """
 import argparse
 import os
@@ -24,12 +24,12 @@ from typing import Any, Dict
 
 import torch
 
-from benchmarks.configs import by_name
-from benchmarks.memory_sampler import MIB, PeakMemory, memory_source
-from benchmarks.model import CheckpointModel, state_dict_mb
+from fsdp_benchmarks.configs import by_name
+from fsdp_benchmarks.model import CheckpointModel, state_dict_mb
+from fsdp_harness.memory_sampler import MIB, PeakMemory, memory_source
+from fsdp_harness.models import full_parameters
+from fsdp_harness.scenario import main
 from pytorch_lightning import Callback, Trainer, seed_everything
-from tests.helpers.fsdp_models import full_parameters
-from tests.helpers.scenario import global_rank
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,13 +47,11 @@ def make_strategy(args: argparse.Namespace) -> Any:
     checkpoint_io = config.build_checkpoint_io()
     if checkpoint_io is not None:
         kwargs["checkpoint_io"] = checkpoint_io
-    if config.strategy_mixin is not None:
-        kwargs["checkpoint_dir"] = str(args.ckpt_dir or args.out)
     if args.accelerator == "gpu":
-        from pytorch_lightning.strategies import DDPFullyShardedStrategy as base
+        from pytorch_lightning.strategies import DDPFullyShardedStrategy as strategy_cls
     else:
-        from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy as base
-    return config.build_strategy_cls(base)(**kwargs)
+        from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy as strategy_cls
+    return strategy_cls(**kwargs)
 
 
 def make_model(args: argparse.Namespace) -> CheckpointModel:
@@ -105,19 +103,19 @@ class ResumeProbe(Callback):
         meter = self.meter
 
         def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            if not getattr(meter, "_thread", None):
+            if not meter.running:
                 meter.start()
             return original(*args, **kwargs)
 
         strategy.load_checkpoint = load_checkpoint
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
-        if getattr(self.meter, "_thread", None):
+        if self.meter.running:
             self.result = self.meter.stop()
         trainer.should_stop = True
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
+def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     ckpt_dir = args.ckpt_dir or args.out
     path = Path(ckpt_dir) / f"{args.config}-n{args.devices}.ckpt"
     model = make_model(args)
@@ -169,23 +167,5 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--devices", type=int, default=2)
-    add_arguments(parser)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    import json
-    import traceback
-
-    try:
-        result = run(args)
-    except BaseException:
-        (args.out / f"rank{global_rank()}.error").write_text(traceback.format_exc())
-        raise
-    (args.out / f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-
-
 if __name__ == "__main__":
-    main()
+    main({"save_and_resume": save_and_resume}, add_arguments)

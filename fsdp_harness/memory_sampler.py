@@ -1,8 +1,9 @@
 """Peak host memory of this process during a code block, sampled by a thread at >= 200 Hz.
 
-The figure that matters is anonymous resident memory (``RssAnon`` in ``/proc/<pid>/status``): it cannot be reclaimed
-without swap, unlike clean file-backed pages such as an mmap-ed checkpoint. Plain RSS (``VmRSS``) is reported beside
-it. Without ``/proc`` both fall back to psutil's RSS.
+The figure that matters is anonymous resident memory (Linux's ``RssAnon``): it cannot be reclaimed without swap,
+unlike clean file-backed pages such as an mmap-ed checkpoint. Plain RSS is reported beside it. Both come from psutil:
+on Linux its ``shared`` is the file-backed and shared-memory part of RSS (``/proc/<pid>/statm``), so ``rss - shared``
+is ``RssAnon``; where psutil reports no ``shared``, RSS stands in for both.
 
 glibc keeps freed blocks in its heap and silently reuses them, which makes "peak minus before" read too low and vary
 from run to run. Two things make it stable: run the process with ``MALLOC_MMAP_THRESHOLD_=65536`` (large tensors are
@@ -12,14 +13,14 @@ reading the baseline (done here).
 import ctypes
 import ctypes.util
 import gc
-import os
 import sys
 import threading
 import time
 from typing import Dict, Optional, Tuple
 
+import psutil
+
 MIB = 1024 * 1024
-_STATUS = f"/proc/{os.getpid()}/status"
 
 
 def _libc() -> Optional[ctypes.CDLL]:
@@ -42,39 +43,31 @@ def malloc_trim() -> None:
 
 def read_memory() -> Tuple[int, int]:
     """``(anonymous resident bytes, resident bytes)`` of this process."""
-    try:
-        with open(f"/proc/{os.getpid()}/status", "rb") as f:
-            text = f.read()
-        anon = rss = None
-        for line in text.splitlines():
-            if line.startswith(b"RssAnon:"):
-                anon = int(line.split()[1]) * 1024
-            elif line.startswith(b"VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-        if anon is not None and rss is not None:
-            return anon, rss
-    except OSError:
-        pass
-    import psutil
-
-    rss = psutil.Process().memory_info().rss
-    return rss, rss
+    info = psutil.Process().memory_info()
+    shared = getattr(info, "shared", None)
+    return (info.rss if shared is None else info.rss - shared), info.rss
 
 
 def memory_source() -> str:
-    return "proc-status-RssAnon" if os.path.exists(_STATUS) else "psutil-rss"
+    return "psutil-rss-minus-shared" if hasattr(psutil.Process().memory_info(), "shared") else "psutil-rss"
 
 
 class PeakMemory:
     """Context manager: baseline (after ``malloc_trim``) on enter, peak from a sampling thread until exit.
 
-    After exit: ``extra_anon_mb`` / ``extra_rss_mb`` (peak minus baseline), ``seconds``, ``samples``, ``hz``.
+    :meth:`stop` (called on exit) returns :meth:`result`: ``peak_extra_mb`` / ``peak_extra_rss_mb`` (anonymous /
+    resident peak minus baseline, MiB), ``baseline_anon_mb`` / ``baseline_rss_mb``, ``seconds``, ``samples`` and
+    ``sample_hz``. :attr:`running` says whether it was started and not yet stopped.
     """
 
     def __init__(self, interval: float = 0.002) -> None:
         self.interval = interval
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and not self._stop.is_set()
 
     def _sample(self) -> None:
         anon, rss = read_memory()

@@ -163,7 +163,7 @@ def plot(runs: List[Dict[str, Any]], path: Path, title: str = "") -> None:
 
 
 if __name__ == "__main__":
-    # ``python -m benchmarks.report RESULT.json``: the markdown table used in docs/checkpoint_memory.md.
+    # ``python -m fsdp_benchmarks.report RESULT.json``: the markdown table used in docs/checkpoint_memory.md.
     import sys
 
     print(markdown_table(json.loads(Path(sys.argv[1]).read_text())["runs"]))

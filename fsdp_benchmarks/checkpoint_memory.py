@@ -1,13 +1,15 @@
-"""Checkpoint memory benchmark: ``python -m benchmarks.checkpoint_memory [--devices 2,4] [--size-mb 256] ...``.
+"""Checkpoint memory benchmark: ``python -m fsdp_benchmarks.checkpoint_memory [--devices 2,4] [--size-mb 256] ...``
+(or ``python fsdp_benchmarks/checkpoint_memory.py ...``).
 
-For each world size N and each configuration (see ``benchmarks/configs.py``) it starts N ranks of
-``python -m benchmarks.worker`` (Lightning's launcher starts ranks >= 1), with ``MALLOC_MMAP_THRESHOLD_=65536`` in
+For each world size N and each configuration (see ``fsdp_benchmarks/configs.py``) it starts N ranks of
+``python -m fsdp_benchmarks.worker`` (Lightning's launcher starts ranks >= 1), with ``MALLOC_MMAP_THRESHOLD_=65536`` in
 their environment and every rank bounded by a timeout. Each rank measures the extra anonymous memory (RssAnon peak
 minus baseline) and wall time of ``trainer.save_checkpoint`` and of resuming with ``fit(ckpt_path=...)`` in a fresh
 Trainer; rank 0 checks the file against the gathered parameters. Prints a table (per-rank rows and node totals, MiB
 and x S), and optionally writes JSON (``--json``) and a plot (``--plot``). Exits non-zero when any run fails its check.
 """
 import argparse
+import json
 import platform
 import shutil
 import sys
@@ -16,8 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from benchmarks import configs as registry
-from benchmarks import report
+if not __package__:
+    # Started as a file: Python put this folder, not the repository root, first on sys.path, so neither this
+    # package nor fsdp_harness would import (and this folder's modules would shadow top-level names).
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from fsdp_benchmarks import configs as registry  # noqa: E402
+from fsdp_benchmarks import report  # noqa: E402
+from fsdp_harness.multiprocess import run_module  # noqa: E402
 
 MMAP_THRESHOLD = "65536"
 
@@ -38,7 +46,9 @@ def parse_configs(text: str) -> List[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint_memory", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_benchmarks.checkpoint_memory", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--devices", type=parse_devices, default=[2], help="world size, or a list such as 2,4")
     parser.add_argument("--size-mb", type=float, default=256, help="full fp32 state-dict size S in MiB")
     parser.add_argument("--units", type=int, default=16, help="number of FSDP-wrapped blocks K")
@@ -64,27 +74,23 @@ def resolve_accelerator(choice: str, world_size: int) -> str:
 
 
 def run_one(config: str, world_size: int, args: argparse.Namespace, out: Path) -> Dict[str, Any]:
-    from tests.helpers.multiprocess import run_module
-
     run_dir = out / f"{config}-n{world_size}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     accelerator = resolve_accelerator(args.accelerator, world_size)
     worker_args = [
-        "--config", config, "--out", str(run_dir), "--devices", str(world_size), "--size-mb", str(args.size_mb),
+        "save_and_resume", "--config", config, "--out", str(run_dir), "--devices", str(world_size), "--size-mb", str(args.size_mb),
         "--units", str(args.units), "--optimizer", registry.by_name(config).optimizer or args.optimizer,
         "--accelerator", accelerator,
     ]
     env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **registry.by_name(config).env}
     timeout = args.timeout or 180 + 1.0 * args.size_mb * world_size
-    result = run_module("benchmarks.worker", worker_args, timeout=timeout, env=env)
+    result = run_module("fsdp_benchmarks.worker", worker_args, timeout=timeout, env=env)
     (run_dir / "output.log").write_text(result.output)
     ranks, missing = [], []
     for rank in range(world_size):
         path = run_dir / f"rank{rank}.json"
         if path.exists():
-            import json
-
             ranks.append(json.loads(path.read_text()))
         else:
             missing.append(rank)
@@ -132,7 +138,7 @@ def main(argv: List[str] = None) -> int:
     print()
     print(report.table(runs))
     meta = {
-        "command": "python -m benchmarks.checkpoint_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m fsdp_benchmarks.checkpoint_memory", *(sys.argv[1:] if argv is None else argv)]),
         "size_mb": args.size_mb,
         "units": args.units,
         "optimizer": args.optimizer,

@@ -1,6 +1,6 @@
 """The benchmark's model: K FSDP-wrapped blocks whose fp32 state dict is S MiB, built from N, S and K only.
 
-It is :class:`tests.helpers.fsdp_models.FSDPModel` (same keys, ``layer.<i>.0.weight``/``bias``, same data and
+It is :class:`fsdp_harness.models.FSDPModel` (same keys, ``layer.<i>.0.weight``/``bias``, same data and
 optimizers), except that the blocks are *created* in ``__init__`` and only *wrapped* in ``configure_sharded_model``.
 Lightning 1.6.5 restores a ``ckpt_path`` before ``configure_sharded_model`` for this strategy, so a model whose layers
 first appear there cannot resume (``Unexpected key(s) in state_dict``); creating them up front lets the benchmark
@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from tests.helpers.fsdp_models import FSDPModel
+from fsdp_harness.models import FSDPModel
 
 MIB = 1024 * 1024
 
