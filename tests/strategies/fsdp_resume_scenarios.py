@@ -6,7 +6,8 @@ Every scenario writes, per rank, ``rank<N>.json`` (a summary) and ``rank<N>.pt``
 """
 import argparse
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
+from unittest import mock
 
 import torch
 from torch.utils.data import DataLoader
@@ -23,40 +24,128 @@ WIDTH = 8
 
 
 class ResumeModel(FSDPModel):
-    """``FSDPModel`` (layers created in ``configure_sharded_model``) with data that does not depend on the global
-    RNG, so a resumed run sees exactly the batches the uninterrupted run saw."""
+    """``FSDPModel`` with data that does not depend on the global RNG, so a resumed run sees exactly the batches the
+    uninterrupted run saw, and with the model and optimizer layouts users have.
 
-    def __init__(self, *args: Any, param_groups: int = 1, **kwargs: Any) -> None:
+    Args:
+        param_groups: 2 puts the first parameter into a param group of its own, with half the learning rate.
+        reverse_params: hand the parameters to the optimizer in reverse module order.
+        build: ``"sharded"`` creates the blocks in ``configure_sharded_model``; ``"init"`` creates them in
+            ``__init__`` and only wraps them there.
+        recreate_on_load: re-create the unwrapped blocks in ``on_load_checkpoint``, as upstream 1.6.5's FSDP tests
+            (and users who copied them) do to load a full state dict before ``configure_sharded_model``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        param_groups: int = 1,
+        reverse_params: bool = False,
+        build: str = "sharded",
+        recreate_on_load: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.param_groups = param_groups
+        self.param_groups, self.reverse_params, self.recreate_on_load = param_groups, reverse_params, recreate_on_load
+        if build == "init":
+            self.layer = self._blocks()
+        self.sharded_in: Dict[str, bool] = {}
+
+    def _blocks(self) -> torch.nn.Sequential:
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(self.width, self.width), torch.nn.Tanh())
+                                     for _ in range(self.units)])
+
+    def configure_sharded_model(self) -> None:
+        from fairscale.nn import auto_wrap, wrap
+
+        if self.layer is None or self._layer_sharded():
+            return super().configure_sharded_model()
+        # blocks created before sharding (in ``__init__`` or ``on_load_checkpoint``) are wrapped as they are
+        if self.wrapping == "wrap":
+            self.layer = wrap(torch.nn.Sequential(*[wrap(block) for block in self.layer]))
+        else:
+            self.layer = auto_wrap(self.layer)
+        if self.extra_after and not hasattr(self, "after"):
+            self.after = torch.nn.Parameter(torch.linspace(1, 2, self.width), requires_grad=self.train_extras)
+
+    def _layer_sharded(self) -> bool:
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+        managed = {id(p) for m in self.modules() if isinstance(m, FullyShardedDataParallel) for p in m.params}
+        return all(id(p) in managed for p in self.layer.parameters())
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        if self.recreate_on_load:
+            self.layer = self._blocks()
+
+    def on_train_start(self) -> None:
+        self.sharded_in["fit"] = self._layer_sharded()
+
+    def on_validation_start(self) -> None:
+        self.sharded_in["validate"] = self._layer_sharded()
+
+    def on_test_start(self) -> None:
+        self.sharded_in["test"] = self._layer_sharded()
+
+    def on_predict_start(self) -> None:
+        self.sharded_in["predict"] = self._layer_sharded()
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self(batch)
 
     def _loader(self) -> DataLoader:
         data = torch.randn(self.batches * 2 * 2, self.width, generator=torch.Generator().manual_seed(1234))
         return DataLoader(data, batch_size=2)
 
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader()
+
     def configure_optimizers(self):
-        if self.param_groups == 1:
+        if self.param_groups == 1 and not self.reverse_params:
             return super().configure_optimizers()
-        params = list(self.parameters())
-        groups = [{"params": params[:1]}, {"params": params[1:], "lr": self.lr / 2}]
-        return torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.reverse_params:
+            params = params[::-1]
+        groups = [{"params": params[:1], "lr": self.lr / 2}, {"params": params[1:]}] if self.param_groups == 2 else params
+        optimizer_class = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.SGD
+        extra = {} if self.optimizer_name == "adam" else {"momentum": 0.9}
+        return optimizer_class(groups, lr=self.lr, **extra)
+
+
+# --layout NAME: (model arguments, strategy arguments) of the model and optimizer layouts a user may have
+LAYOUTS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {
+    "plain": ({}, {}),
+    "param_groups": ({"param_groups": 2}, {}),
+    "reversed": ({"reverse_params": True}, {}),
+    "no_flatten": ({}, {"flatten_parameters": False}),
+    # trainable parameters outside FSDP, registered in ``__init__`` and in ``configure_sharded_model``
+    "outside": ({"extra_before": True, "extra_after": True}, {}),
+}
 
 
 def make_model(args: argparse.Namespace, **overrides: Any) -> ResumeModel:
     kwargs = dict(
-        width=WIDTH, units=2, optimizer=args.optimizer, scheduler=args.scheduler, batches=4, wrapping=args.wrapping
+        width=WIDTH, units=2, optimizer=args.optimizer, scheduler=args.scheduler, batches=4, wrapping=args.wrapping,
+        build=args.build, recreate_on_load=args.recreate_on_load,
     )
+    kwargs.update(LAYOUTS[args.layout][0])
     kwargs.update(overrides)
     return ResumeModel(**kwargs)
 
 
-def make_trainer(args: argparse.Namespace, max_epochs: int, **strategy_kwargs: Any) -> Trainer:
+def make_trainer(args: argparse.Namespace, max_epochs: int, **trainer_kwargs: Any) -> Trainer:
+    strategy_kwargs = {"min_num_params": args.min_num_params, **LAYOUTS[args.layout][1]}
     return Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy=CPUFullyShardedStrategy(**{"min_num_params": args.min_num_params, **strategy_kwargs}),
+        strategy=CPUFullyShardedStrategy(**strategy_kwargs),
         max_epochs=max_epochs,
-        limit_val_batches=0,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
+        # by value: clipping by norm would need the norm over all shards (FairScale's clip_grad_norm_), which
+        # Lightning 1.6 computes per rank in 32-bit precision
+        gradient_clip_algorithm="value",
+        limit_val_batches=trainer_kwargs.pop("limit_val_batches", 0),
         num_sanity_val_steps=0,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -64,6 +153,7 @@ def make_trainer(args: argparse.Namespace, max_epochs: int, **strategy_kwargs: A
         # saves at the end of every training epoch, on all ranks (the strategy writes on rank 0)
         callbacks=[ModelCheckpoint(dirpath=str(args.out / "ckpts"), save_top_k=-1, filename="{epoch}")],
         default_root_dir=str(args.out),
+        **trainer_kwargs,
     )
 
 
@@ -88,12 +178,62 @@ def report(args: argparse.Namespace, trainer: Trainer, model: ResumeModel, **ext
 
 
 def fit(args: argparse.Namespace) -> Dict[str, Any]:
-    """Fit ``--epochs`` epochs, optionally resuming from ``--ckpt``; ModelCheckpoint saves every epoch."""
-    seed_everything(7)
+    """Fit ``--epochs`` epochs, optionally resuming from ``--ckpt``; ModelCheckpoint saves every epoch.
+
+    Reports how often the replicated gradients were synchronised and, with ``--mock-cuda-root``, whether every
+    restored optimizer state tensor lives on its parameter's device although the root device claims to be CUDA (as
+    with ``cpu_offload=True`` on a GPU machine, where FairScale keeps the fp32 shards on the CPU).
+    """
+    # a different seed per rank, as on a real cluster without a seeded launcher: replicated parameters must still
+    # start equal everywhere
+    seed_everything(7 + global_rank())
     model = make_model(args)
     trainer = make_trainer(args, max_epochs=args.epochs)
+    strategy = trainer.strategy
+    syncs = []
+    sync = strategy.sync_replicated_gradients
+
+    def counting_sync(optimizer):
+        syncs.append(trainer.global_step)
+        return sync(optimizer)
+
+    strategy.sync_replicated_gradients = counting_sync
+    devices_ok: List[bool] = []
+    if args.mock_cuda_root:
+        load = strategy.load_optimizer_state_dict
+
+        def load_with_cuda_root(checkpoint):
+            cuda = mock.PropertyMock(return_value=torch.device("cuda", 0))
+            with mock.patch.object(type(strategy), "root_device", new_callable=lambda: cuda):
+                load(checkpoint)
+            devices_ok.extend(
+                value.device == param.device
+                for optimizer in trainer.optimizers
+                for param, state in optimizer.state.items()
+                for value in state.values()
+                if torch.is_tensor(value) and value.dim()
+            )
+
+        strategy.load_optimizer_state_dict = load_with_cuda_root
     trainer.fit(model, ckpt_path=args.ckpt)
-    return report(args, trainer, model)
+    return report(args, trainer, model, syncs=len(syncs), state_devices_ok=devices_ok, sharded_in=model.sharded_in)
+
+
+def stages(args: argparse.Namespace) -> Dict[str, Any]:
+    """Upstream 1.6.5's FSDP test flow: fit, save, then validate, test and predict, the last two from the file."""
+    seed_everything(7)
+    model = make_model(args)
+    trainer = make_trainer(args, max_epochs=1, limit_val_batches=2)
+    trainer.fit(model)
+    path = str(args.out / "stages.ckpt")
+    trainer.save_checkpoint(path)
+    sharded_in = {}
+    trainer.validate(model, verbose=False)
+    sharded_in.update(model.sharded_in)
+    trainer.test(ckpt_path=path, verbose=False)
+    trainer.predict(ckpt_path=path)
+    sharded_in.update(model.sharded_in)
+    return report(args, trainer, model, sharded_in=sharded_in)
 
 
 def consolidate(args: argparse.Namespace) -> Dict[str, Any]:
@@ -149,26 +289,6 @@ def test_from_checkpoint(args: argparse.Namespace) -> Dict[str, Any]:
     return report(args, trainer, model)
 
 
-def misuse(args: argparse.Namespace) -> Dict[str, Any]:
-    """A misconfiguration that FairScale cannot consolidate: the first checkpoint must raise a clear error."""
-    seed_everything(7)
-    model_kwargs: Dict[str, Any] = {}
-    strategy_kwargs: Dict[str, Any] = {}
-    if args.case == "param_groups":
-        model_kwargs["param_groups"] = 2
-    elif args.case == "no_flatten":
-        strategy_kwargs["flatten_parameters"] = False
-    elif args.case == "outside_param":
-        model_kwargs["extra_before"] = True
-    model = make_model(args, **model_kwargs)
-    trainer = make_trainer(args, max_epochs=1, **strategy_kwargs)
-    try:
-        trainer.fit(model)
-    except MisconfigurationException as err:
-        return {"rank": global_rank(), "error": str(err)}
-    return {"rank": global_rank(), "error": None}
-
-
 def make_legacy(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit one epoch and write a checkpoint shaped like upstream 1.6.5's: rank 0's local optimizer shard."""
     seed_everything(7)
@@ -207,7 +327,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
-    parser.add_argument("--case", default=None, choices=["param_groups", "no_flatten", "outside_param"])
+    parser.add_argument("--layout", default="plain", choices=sorted(LAYOUTS))
+    parser.add_argument("--build", default="sharded", choices=["sharded", "init"])
+    parser.add_argument("--recreate-on-load", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--mock-cuda-root", action="store_true")
 
 
 if __name__ == "__main__":
@@ -215,7 +340,7 @@ if __name__ == "__main__":
         {
             "fit": fit,
             "consolidate": consolidate,
-            "misuse": misuse,
+            "stages": stages,
             "memory": memory,
             "test_from_checkpoint": test_from_checkpoint,
             "make_legacy": make_legacy,
