@@ -5,6 +5,8 @@
 # the only test its pytest process runs. tests/conftest.py narrows collection to standalone tests when
 # PL_RUN_STANDALONE_TESTS=1. Usage, from the repository root:  bash tests/standalone_tests.sh [pytest args...]
 # PYTHON selects the interpreter (default: python). Exit status is non-zero if any test failed.
+# Every test runs under a timeout (pytest-timeout, every rank): PL_STANDALONE_TIMEOUT seconds (default 900), or
+# the caller's own --timeout=..., which comes later on the command line and wins.
 set -uo pipefail
 
 PYTHON="${PYTHON:-python}"
@@ -24,7 +26,8 @@ passed=()
 failed=()
 for nodeid in "${nodeids[@]}"; do
     echo "=== standalone: $nodeid"
-    if "$PYTHON" -m coverage run --append -m pytest -v -p no:cacheprovider "$nodeid" "$@"; then
+    if "$PYTHON" -m coverage run --append -m pytest -v -p no:cacheprovider \
+        --timeout="${PL_STANDALONE_TIMEOUT:-900}" "$nodeid" "$@"; then
         passed+=("$nodeid")
     else
         failed+=("$nodeid")

@@ -1,5 +1,6 @@
 """``DDPFullyShardedStrategy(state_dict_on_rank_0_only=...)``: only global rank 0 holds and writes the full state
 dict (#11207). This file imports only helpers that upstream's test suite has, so it ports unchanged."""
+import contextlib
 import os
 from unittest import mock
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from pytorch_lightning import Trainer
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.environments import LightningEnvironment
 from pytorch_lightning.strategies import DDPFullyShardedStrategy, StrategyRegistry
+from pytorch_lightning.utilities.cloud_io import load as pl_load
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from tests.helpers import BoringModel
 from tests.helpers.runif import RunIf
@@ -110,23 +113,39 @@ def test_lightning_module_state_dict_per_rank(global_rank, flag):
 
 
 class ShardedBoringModel(BoringModel):
-    """Layers created in ``configure_sharded_model``, with a plain parameter on each side of the FSDP stack."""
+    """A plain parameter on each side of an FSDP stack of two blocks and a head.
 
-    def __init__(self, wrapping: str = "wrap"):
+    By default the layers are created in ``configure_sharded_model``; with ``layers_in_init=True`` they are created
+    in ``__init__`` and only wrapped in ``configure_sharded_model``, so that a checkpoint can be restored into the
+    unsharded layers before they are sharded.
+    """
+
+    def __init__(self, wrapping: str = "wrap", layers_in_init: bool = False):
         super().__init__()
         self.wrapping = wrapping
-        self.layer = None
+        self.sharded = False
         self.before = torch.nn.Parameter(torch.zeros(32))
+        self.layer = self._layers() if layers_in_init else None
+        if layers_in_init:
+            self.after = torch.nn.Parameter(torch.ones(2))
+
+    @staticmethod
+    def _layers() -> torch.nn.Module:
+        blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(2)]
+        return torch.nn.Sequential(*blocks, torch.nn.Linear(32, 2))
 
     def configure_sharded_model(self) -> None:
-        if self.layer is not None:
+        if self.sharded:
             return
-        blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(2)]
+        if self.layer is None:
+            self.layer = self._layers()
+            self.after = torch.nn.Parameter(torch.ones(2))
         if self.wrapping == "wrap":
-            self.layer = wrap(torch.nn.Sequential(*[wrap(b) for b in blocks], torch.nn.Linear(32, 2)))
+            self.layer = wrap(torch.nn.Sequential(*[wrap(block) for block in self.layer[:2]], self.layer[2]))
         else:
-            self.layer = auto_wrap(torch.nn.Sequential(*blocks, torch.nn.Linear(32, 2)))
-        self.after = torch.nn.Parameter(torch.ones(2))
+            # the head is too small for the policy, so each block is an outermost FSDP instance of its own
+            self.layer = auto_wrap(self.layer)
+        self.sharded = True
 
     def forward(self, x):
         return self.layer(x + self.before) * self.after
@@ -135,39 +154,107 @@ class ShardedBoringModel(BoringModel):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def _outermost_fsdp_instances(model: torch.nn.Module) -> list:
+    instances = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    nested = {id(inner) for m in instances for inner in m.modules() if inner is not m}
+    return [m for m in instances if id(m) not in nested]
+
+
 def _gathered_state(model: torch.nn.Module) -> dict:
-    roots = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel) and m._is_root]
-    with roots[0].summon_full_params(recurse=True):
+    """Every rank's copy of the full parameters, keyed like the state dict (collective). Every outermost FSDP
+    instance is summoned: ``auto_wrap`` leaves one per block."""
+    with contextlib.ExitStack() as stack:
+        for instance in _outermost_fsdp_instances(model):
+            stack.enter_context(instance.summon_full_params(recurse=True))
         return {
             k.replace("_fsdp_wrapped_module.", "").replace("_fpw_module.", ""): p.detach().cpu().clone()
             for k, p in model.named_parameters()
         }
 
 
-@RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
-@pytest.mark.parametrize("wrapping", ["wrap", "auto_wrap"])
-def test_fully_sharded_state_dict_on_rank_0_only_multi_gpu(tmpdir, wrapping):
-    model = ShardedBoringModel(wrapping)
-    strategy = DDPFullyShardedStrategy(min_num_params=100)
-    trainer = Trainer(
-        default_root_dir=tmpdir, accelerator="gpu", devices=2, strategy=strategy, max_epochs=1, limit_val_batches=2
+def _assert_same_tensors(actual: dict, expected: dict) -> None:
+    assert set(actual) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(actual[key].cpu(), tensor), key
+
+
+def run_fully_sharded_state_dict_on_rank_0_only(
+    tmpdir, wrapping: str, accelerator: str = "gpu", strategy_cls=DDPFullyShardedStrategy, save_weights_only=False
+) -> dict:
+    """Fit on 2 devices, save with ``state_dict_on_rank_0_only=True``, check what every rank holds and wrote, then
+    restore the checkpoint with ``trainer.test(ckpt_path=...)``. Runs on every rank; returns what it checked.
+
+    ``strategy_cls`` builds the strategy (``DDPFullyShardedStrategy`` or a subclass); ``save_weights_only`` applies to
+    ``ModelCheckpoint`` and ``trainer.save_checkpoint``.
+    """
+    trainer_kwargs = dict(
+        default_root_dir=tmpdir,
+        accelerator=accelerator,
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        limit_test_batches=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
     )
-    trainer.fit(model)
-    path = os.path.join(trainer.strategy.broadcast(str(tmpdir)), "model.ckpt")
-    trainer.save_checkpoint(path)
+    model = ShardedBoringModel(wrapping)
+    trainer = Trainer(
+        strategy=strategy_cls(min_num_params=100, state_dict_on_rank_0_only=True),
+        callbacks=[ModelCheckpoint(save_weights_only=save_weights_only)],
+        **trainer_kwargs,
+    )
+    # pin the instance: without a user's CheckpointIO, the property returns a new default one on every access
+    checkpoint_io = trainer.strategy.checkpoint_io = trainer.strategy.checkpoint_io
+    with mock.patch.object(checkpoint_io, "save_checkpoint", wraps=checkpoint_io.save_checkpoint) as save:
+        trainer.fit(model)
+        path = os.path.join(trainer.strategy.broadcast(str(tmpdir)), "model.ckpt")
+        trainer.save_checkpoint(path, weights_only=save_weights_only)
+    written = [str(call.args[1]) for call in save.call_args_list]
 
     state_dict = trainer.strategy.lightning_module_state_dict()  # collective
     full = _gathered_state(model)  # collective
-    if trainer.global_rank != 0:
-        assert state_dict == {}
+    assert len(_outermost_fsdp_instances(model)) == (1 if wrapping == "wrap" else 2)
+    assert all(m.state_dict_on_rank_0_only for m in model.modules() if isinstance(m, FullyShardedDataParallel))
+    assert {"before", "after"} < set(full)
+    if trainer.global_rank == 0:
+        _assert_same_tensors(state_dict, full)
+        # ModelCheckpoint's file and ours: both hold the full parameters of every outermost FSDP instance
+        assert len(written) == 2 and written[-1] == path, (written, path)
+        for file in written:
+            _assert_same_tensors(pl_load(file, map_location="cpu")["state_dict"], full)
+        # and load strictly into the unsharded model (``wrap`` outside ``enable_wrap`` returns the module as is)
+        plain = ShardedBoringModel(wrapping)
+        plain.configure_sharded_model()
+        plain.load_state_dict(pl_load(path, map_location="cpu")["state_dict"], strict=True)
     else:
-        saved = torch.load(path, map_location="cpu")["state_dict"]
-        assert set(saved) == set(full)
-        for key, tensor in full.items():
-            assert torch.equal(saved[key].cpu(), tensor), key
+        assert state_dict == {}
+        assert written == []
     trainer.strategy.barrier()
 
-    # reload into a fresh trainer
-    strategy = DDPFullyShardedStrategy(min_num_params=100)
-    trainer = Trainer(default_root_dir=tmpdir, accelerator="gpu", devices=2, strategy=strategy, max_epochs=1)
-    trainer.test(model, ckpt_path=path)
+    # restore into a fresh model whose layers exist before they are sharded, as 1.6.5 loads the state dict into the
+    # LightningModule before ``configure_sharded_model``
+    saved = pl_load(path, map_location="cpu")["state_dict"]
+    fresh = ShardedBoringModel(wrapping, layers_in_init=True)
+    assert not torch.equal(fresh.before, saved["before"])
+    trainer = Trainer(
+        strategy=strategy_cls(min_num_params=100, state_dict_on_rank_0_only=True),
+        enable_checkpointing=False,
+        **trainer_kwargs,
+    )
+    trainer.test(fresh, ckpt_path=path)
+    restored = _gathered_state(fresh)  # collective
+    _assert_same_tensors(restored, saved)
+    return {
+        "rank": trainer.global_rank,
+        "state_dict_keys": len(state_dict),
+        "written": len(written),
+        "restored_keys": sorted(restored),
+    }
+
+
+@RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
+@pytest.mark.parametrize("wrapping", ["wrap", "auto_wrap"])
+def test_fully_sharded_state_dict_on_rank_0_only_multi_gpu(tmpdir, wrapping):
+    run_fully_sharded_state_dict_on_rank_0_only(tmpdir, wrapping, accelerator="gpu")
