@@ -43,12 +43,13 @@ UPSTREAM_HELPERS = [
     "tests/helpers/runif.py",
     "tests/strategies/__init__.py",
 ]
-# What the 2-CPU-rank run adds (not part of the PR). The test harness is being moved into one package: re-point here.
+# What the 2-CPU-rank run adds (not part of the PR): the shared harness and the CPU test module.
 HARNESS = [
     "tests/conftest.py",
-    "tests/helpers/cpu_fsdp.py",
-    "tests/helpers/multiprocess.py",
-    "tests/helpers/scenario.py",
+    "fsdp_harness/__init__.py",
+    "fsdp_harness/cpu_fsdp.py",
+    "fsdp_harness/multiprocess.py",
+    "fsdp_harness/scenario.py",
     CPU_TEST_FILE,
 ]
 

@@ -3,31 +3,21 @@
 The exported test file may import only what upstream has, so its 2-CPU-rank run lives here: this module is both
 the test and the scenario script it starts (``python -m tests.strategies.test_ddp_fully_sharded_state_dict_on_rank_0_only_cpu
 run --out DIR --wrapping wrap``), running the same body with ``accelerator="cpu"`` and the CPU FSDP harness
-strategy (``tests/helpers/cpu_fsdp.py``). Its harness imports are the three lines below.
+strategy (``fsdp_harness/cpu_fsdp.py``). Its harness imports are the three lines below.
 """
 import argparse
 from typing import Any, Dict
 
 import pytest
 
-from tests.helpers.cpu_fsdp import CPUFullyShardedStrategy
-from tests.helpers.multiprocess import assert_success, run_module
-from tests.helpers.scenario import main, read_results
+from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
+from fsdp_harness.multiprocess import assert_success, run_module
+from fsdp_harness.scenario import main, read_results
 from tests.strategies.test_ddp_fully_sharded_state_dict_on_rank_0_only import (
     run_fully_sharded_state_dict_on_rank_0_only,
 )
 
 MODULE = "tests.strategies.test_ddp_fully_sharded_state_dict_on_rank_0_only_cpu"
-# Today's full fork refuses to consolidate the optimizer state of trainable parameters outside FSDP, which
-# ShardedBoringModel has (``before``/``after``), at its first full checkpoint; fork/fsdp-consolidated-optimizer-state
-# is being changed to support them. Until then the full fork must fail with exactly this error, and pass with
-# weights-only checkpoints. The PR alone (upstream 1.6.5 + the PR) has no such error and must pass outright.
-OUTSIDE_FSDP_ERROR = (
-    "can only save and load the state of an optimizer that holds exactly the parameters of the outermost FSDP"
-    " instances, in their order. Parameters outside them: ['before', 'after'"
-)
-
-
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     return run_fully_sharded_state_dict_on_rank_0_only(
         str(args.out), args.wrapping, accelerator="cpu", strategy_cls=CPUFullyShardedStrategy,
@@ -42,12 +32,7 @@ def _run_on_2_cpu_ranks(out, wrapping: str, *extra: str):
 @pytest.mark.timeout(540)
 @pytest.mark.parametrize("wrapping", ["wrap", "auto_wrap"])
 def test_fully_sharded_state_dict_on_rank_0_only_cpu(tmp_path, wrapping):
-    result = _run_on_2_cpu_ranks(tmp_path / "full", wrapping)
-    if result.returncode != 0 and not result.timed_out and OUTSIDE_FSDP_ERROR in result.output:
-        assert "MisconfigurationException" in result.output
-        assert_success(_run_on_2_cpu_ranks(tmp_path / "weights", wrapping, "--weights-only"))
-        pytest.xfail("full fork: optimizer state of parameters outside FSDP (weights-only checkpoints pass)")
-    assert_success(result)
+    assert_success(_run_on_2_cpu_ranks(tmp_path / "full", wrapping))
     rank0, rank1 = read_results(tmp_path / "full", 2)
     assert (rank0["rank"], rank1["rank"]) == (0, 1)
     assert rank0["written"] == 2 and rank1["written"] == 0
