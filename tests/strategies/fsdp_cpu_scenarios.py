@@ -76,11 +76,7 @@ def checkpoint_contents(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit with ModelCheckpoint(save_last, top-2), then save full and weights-only checkpoints; report what each
     rank held and, on rank 0, how every written file compares with the gathered parameters."""
     seed_everything(2)
-    # frozen extras: trainable parameters outside FSDP cannot have their optimizer state consolidated (the
-    # fork/fsdp-consolidated-optimizer-state patch)
-    model_kwargs = dict(
-        width=16, units=3, wrapping=args.wrapping, extra_before=True, extra_after=True, train_extras=False
-    )
+    model_kwargs = dict(width=16, units=3, wrapping=args.wrapping, extra_before=True, extra_after=True)
     model = FSDPModel(**model_kwargs)
     checkpoint_callback = ModelCheckpoint(dirpath=args.out / "ckpts", monitor="val_loss", save_last=True, save_top_k=2)
     trainer = Trainer(
@@ -98,6 +94,7 @@ def checkpoint_contents(args: argparse.Namespace) -> Dict[str, Any]:
         "module_state_keys": sorted(module_state),
         "module_state_tensors": count_tensors(module_state),
         "dumped_state_dict_tensors": count_tensors(dumped["state_dict"]),
+        "dumped_optimizer_state_keys": sorted(dumped["optimizer_states"][0]),
         "full_keys": sorted(full),
         "fsdp_instances": sum(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()),
     }

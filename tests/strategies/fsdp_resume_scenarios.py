@@ -6,7 +6,7 @@ Every scenario writes, per rank, ``rank<N>.json`` (a summary) and ``rank<N>.pt``
 """
 import argparse
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 from unittest import mock
 
 import torch
@@ -16,7 +16,7 @@ from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.memory_sampler import MIB, PeakMemory
 from fsdp_harness.models import FSDPModel, full_parameters
 from fsdp_harness.scenario import global_rank, main
-from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning import Callback, LightningModule, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
@@ -34,6 +34,8 @@ class ResumeModel(FSDPModel):
             ``__init__`` and only wraps them there.
         recreate_on_load: re-create the unwrapped blocks in ``on_load_checkpoint``, as upstream 1.6.5's FSDP tests
             (and users who copied them) do to load a full state dict before ``configure_sharded_model``.
+        frozen_blocks: indices of blocks whose parameters are frozen (their FSDP instances have no optimizer state).
+        guard_by_flag: ``configure_sharded_model`` wraps only once, guarded by a flag instead of by what is wrapped.
     """
 
     def __init__(
@@ -43,24 +45,32 @@ class ResumeModel(FSDPModel):
         reverse_params: bool = False,
         build: str = "sharded",
         recreate_on_load: bool = False,
+        frozen_blocks: Tuple[int, ...] = (),
+        guard_by_flag: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.param_groups, self.reverse_params, self.recreate_on_load = param_groups, reverse_params, recreate_on_load
+        self.frozen_blocks, self.guard_by_flag, self.wrapped = frozen_blocks, guard_by_flag, False
         if build == "init":
             self.layer = self._blocks()
         self.sharded_in: Dict[str, bool] = {}
 
     def _blocks(self) -> torch.nn.Sequential:
-        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(self.width, self.width), torch.nn.Tanh())
-                                     for _ in range(self.units)])
+        blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(self.width, self.width), torch.nn.Tanh())
+                                       for _ in range(self.units)])
+        for index in self.frozen_blocks:
+            blocks[index].requires_grad_(False)
+        return blocks
 
     def configure_sharded_model(self) -> None:
         from fairscale.nn import auto_wrap, wrap
 
-        if self.layer is None or self._layer_sharded():
-            return super().configure_sharded_model()
-        # blocks created before sharding (in ``__init__`` or ``on_load_checkpoint``) are wrapped as they are
+        if self.guard_by_flag and self.wrapped or self.layer is not None and self._layer_sharded():
+            return
+        self.wrapped = True
+        if self.layer is None:
+            self.layer = self._blocks()
         if self.wrapping == "wrap":
             self.layer = wrap(torch.nn.Sequential(*[wrap(block) for block in self.layer]))
         else:
@@ -120,13 +130,33 @@ LAYOUTS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {
     "no_flatten": ({}, {"flatten_parameters": False}),
     # trainable parameters outside FSDP, registered in ``__init__`` and in ``configure_sharded_model``
     "outside": ({"extra_before": True, "extra_after": True}, {}),
+    # FSDP instances without optimizer state, the first one included
+    "frozen": ({"units": 4, "frozen_blocks": (0, 1)}, {}),
 }
+
+
+class RestoreOrder(Callback):
+    """Records whether the callback state was restored before ``on_fit_start``, as Lightning 1.6.5 does for the
+    strategies that restore before setup; ``BaseFinetuning`` rebuilds its param groups there from it."""
+
+    def __init__(self) -> None:
+        self.restored = False
+        self.restored_at_fit_start: Optional[bool] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"saved": True}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.restored = state_dict["saved"]
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.restored_at_fit_start = self.restored
 
 
 def make_model(args: argparse.Namespace, **overrides: Any) -> ResumeModel:
     kwargs = dict(
         width=WIDTH, units=2, optimizer=args.optimizer, scheduler=args.scheduler, batches=4, wrapping=args.wrapping,
-        build=args.build, recreate_on_load=args.recreate_on_load,
+        build=args.build, recreate_on_load=args.recreate_on_load, guard_by_flag=args.guard_by_flag,
     )
     kwargs.update(LAYOUTS[args.layout][0])
     kwargs.update(overrides)
@@ -151,7 +181,9 @@ def make_trainer(args: argparse.Namespace, max_epochs: int, **trainer_kwargs: An
         enable_model_summary=False,
         logger=False,
         # saves at the end of every training epoch, on all ranks (the strategy writes on rank 0)
-        callbacks=[ModelCheckpoint(dirpath=str(args.out / "ckpts"), save_top_k=-1, filename="{epoch}")],
+        callbacks=[
+            ModelCheckpoint(dirpath=str(args.out / "ckpts"), save_top_k=-1, filename="{epoch}"), RestoreOrder()
+        ],
         default_root_dir=str(args.out),
         **trainer_kwargs,
     )
@@ -216,7 +248,11 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
 
         strategy.load_optimizer_state_dict = load_with_cuda_root
     trainer.fit(model, ckpt_path=args.ckpt)
-    return report(args, trainer, model, syncs=len(syncs), state_devices_ok=devices_ok, sharded_in=model.sharded_in)
+    order = next(c for c in trainer.callbacks if isinstance(c, RestoreOrder))
+    return report(
+        args, trainer, model, syncs=len(syncs), state_devices_ok=devices_ok, sharded_in=model.sharded_in,
+        restored_at_fit_start=order.restored_at_fit_start,
+    )
 
 
 def stages(args: argparse.Namespace) -> Dict[str, Any]:
@@ -330,6 +366,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default="plain", choices=sorted(LAYOUTS))
     parser.add_argument("--build", default="sharded", choices=["sharded", "init"])
     parser.add_argument("--recreate-on-load", action="store_true")
+    parser.add_argument("--guard-by-flag", action="store_true")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--mock-cuda-root", action="store_true")

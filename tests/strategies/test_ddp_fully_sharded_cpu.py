@@ -40,10 +40,13 @@ def test_checkpoint_contents(tmp_path, rank0_only, wrapping):
         # not even the non-FSDP "after" entry survives on rank 1: exactly {}
         assert rank1["module_state_keys"] == []
         assert rank1["module_state_tensors"] == rank1["dumped_state_dict_tensors"] == 0
+        assert rank1["dumped_optimizer_state_keys"] == []
     else:
-        # upstream behaviour: every rank builds the full state dict
+        # upstream behaviour: every rank builds the full state dict and sees its own optimizer state
         assert rank1["module_state_keys"] == expected_keys
         assert rank1["dumped_state_dict_tensors"] == len(expected_keys)
+        assert rank1["dumped_optimizer_state_keys"] == ["param_groups", "state"]
+    assert rank0["dumped_optimizer_state_keys"] == ["fsdp_root_param_ids", "fsdp_roots", "param_groups", "state"]
 
     # every file rank 0 wrote loads strictly into the unsharded model and equals the gathered parameters
     files = rank0["files"]

@@ -181,13 +181,22 @@ def test_full_optimizer_state_only_on_rank_zero(tmp_path):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
-    ("layout", "optimizer"), [("param_groups", "sgd"), ("reversed", "adam"), ("no_flatten", "sgd"), ("no_flatten", "adam")]
+    ("layout", "optimizer", "devices"),
+    [
+        ("param_groups", "sgd", 2),
+        ("reversed", "adam", 2),
+        ("no_flatten", "sgd", 2),
+        ("no_flatten", "adam", 2),
+        ("frozen", "adam", 2),
+        ("frozen", "adam", 1),
+    ],
 )
-def test_exact_resume_with_optimizer_layouts(tmp_path, layout, optimizer):
-    """Layouts that upstream 1.6.5 saved (incompletely) resume exactly: several param groups and an optimizer whose
-    parameters are not in module order are consolidated; ``flatten_parameters=False``, which FairScale cannot
-    consolidate, keeps every rank's own state."""
-    check_exact_resume(tmp_path, optimizer, "--layout", layout)
+def test_exact_resume_with_optimizer_layouts(tmp_path, layout, optimizer, devices):
+    """Layouts that upstream 1.6.5 saved (incompletely) resume exactly: several param groups, an optimizer whose
+    parameters are not in module order and FSDP instances without optimizer state (frozen blocks, the first one
+    included) are consolidated; ``flatten_parameters=False``, which FairScale cannot consolidate, keeps every
+    rank's own state."""
+    check_exact_resume(tmp_path, optimizer, "--layout", layout, devices=devices)
     saved = load_checkpoint(tmp_path / "straight" / "ckpts" / "epoch=0.ckpt")["optimizer_states"][0]
     assert ("fsdp_per_rank" in saved) == (layout == "no_flatten")
     if layout == "param_groups":
@@ -246,6 +255,28 @@ def test_upstream_on_load_checkpoint_pattern(tmp_path, devices):
     check_exact_resume(tmp_path, "adam", "--recreate-on-load", "--build", "init", devices=devices)
     for result in read_results(tmp_path / "resumed", devices):
         assert result["sharded_in"] == {"fit": True}
+
+
+@pytest.mark.timeout(240)
+def test_callbacks_are_restored_before_on_fit_start(tmp_path):
+    """As with every strategy that restores before setup, callback state (e.g. ``BaseFinetuning``'s param groups)
+    is restored before ``on_fit_start`` runs."""
+    run_scenario("fit", tmp_path / "save", "--epochs", "1")
+    ckpt = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
+    for result in run_scenario("fit", tmp_path / "load", "--epochs", "2", "--ckpt", str(ckpt)):
+        assert result["restored_at_fit_start"] is True, result
+
+
+@pytest.mark.timeout(240)
+def test_configure_sharded_model_guarded_by_a_flag_raises_instead_of_running_unsharded(tmp_path):
+    run_scenario("fit", tmp_path / "save", "--epochs", "1")
+    ckpt = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
+    result = run_module(
+        SCENARIOS, ["fit", "--out", str(tmp_path / "load"), "--devices", "2", "--epochs", "2", "--ckpt", str(ckpt),
+                    "--recreate-on-load", "--guard-by-flag"], timeout=180,
+    )
+    assert result.returncode != 0
+    assert "left 0 FSDP instances instead of 3, so the model would run unsharded" in result.output
 
 
 @pytest.mark.timeout(240)
