@@ -2,6 +2,7 @@
 scenarios are in tests/strategies/test_ddp_fully_sharded_faults.py."""
 import errno
 import os
+import pickle
 from unittest import mock
 
 import pytest
@@ -12,7 +13,12 @@ from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.trainer.connectors.checkpoint_connector import CheckpointConnector
-from pytorch_lightning.utilities.exceptions import CheckpointError
+from pytorch_lightning.utilities.exceptions import (
+    _checkpoint_error_type,
+    _checkpoint_error_type_named,
+    CheckpointError,
+    MisconfigurationException,
+)
 from tests.helpers.optimizer_models import SGDModel
 
 
@@ -33,6 +39,8 @@ def test_failed_save_raises_checkpoint_error_naming_the_path(tmp_path):
     with pytest.raises(CheckpointError, match="Saving the checkpoint to .*model.ckpt.* failed: OSError") as info:
         trainer.save_checkpoint(path)
     assert isinstance(info.value.__cause__, OSError)
+    # what Lightning 1.6.5 raised is still caught as such
+    assert isinstance(info.value, OSError)
     assert not path.exists()
 
 
@@ -47,19 +55,26 @@ def test_bad_checkpoint_on_resume_raises_checkpoint_error_naming_the_path(tmp_pa
     model = SGDModel()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _trainer(tmp_path, max_epochs=2)
-    with pytest.raises(CheckpointError, match=f"Loading the .*{kind}.ckpt.* failed"):
+    with pytest.raises(CheckpointError, match=f"Loading the .*{kind}.ckpt.* failed") as info:
         trainer.fit(model, ckpt_path=str(bad))
+    # the error is also of the type that Lightning 1.6.5 raised, so ``except <that type>:`` still catches it
+    cause = info.value.__cause__
+    assert cause is not None and not isinstance(cause, CheckpointError)
+    assert isinstance(info.value, type(cause))
+    if not isinstance(CheckpointError(), type(cause)):  # a RuntimeError needs no subclass
+        assert type(info.value).__name__ == f"CheckpointError[{type(cause).__name__}]"
     assert trainer.global_step == 0
     # no partial load either
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def _connector(rank, failed_ranks, world_size=2):
+def _connector(rank, failed_ranks, world_size=2, type_names=None):
     trainer = mock.Mock(world_size=world_size, global_rank=rank)
     trainer.strategy.root_device = torch.device("cpu")
     trainer.strategy.all_gather.side_effect = lambda t: torch.tensor([int(r in failed_ranks) for r in range(2)])
     messages = {0: "OSError: [Errno 28] No space left on device", 1: "ValueError: boom"}
-    trainer.strategy.broadcast.side_effect = lambda obj, src: messages[src]
+    type_names = type_names or {0: ("builtins", "OSError"), 1: ("builtins", "ValueError")}
+    trainer.strategy.broadcast.side_effect = lambda obj, src: (messages[src], *type_names[src])
     return CheckpointConnector(trainer)
 
 
@@ -101,3 +116,106 @@ def test_save_is_collective_only_where_saving_already_is(_, strategy_name, colle
     connector.trainer.strategy.all_gather.side_effect = lambda t: torch.tensor([1, 0])
     with mock.patch.object(connector, "dump_checkpoint", return_value={}), pytest.raises(CheckpointError, match="x.ckpt"):
         connector.save_checkpoint("x.ckpt")
+
+
+def test_missing_checkpoint_is_still_a_file_not_found_error(tmp_path):
+    """Lightning 1.6.5 raised ``FileNotFoundError`` for a missing ``ckpt_path``; user code that catches it must still
+    catch it."""
+    trainer = _trainer(tmp_path)
+    with pytest.raises(FileNotFoundError, match="missing.ckpt.* not found. Aborting training") as info:
+        trainer.fit(SGDModel(), ckpt_path=str(tmp_path / "missing.ckpt"))
+    assert isinstance(info.value, CheckpointError)
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+@pytest.mark.parametrize(
+    "original, args",
+    [
+        (FileNotFoundError, (errno.ENOENT, "No such file or directory", "x.ckpt")),
+        (OSError, (errno.ENOSPC, "No space left on device")),
+        (KeyError, ("state_dict",)),
+        (UnicodeDecodeError, ("utf-8", b"\xff", 0, 1, "invalid start byte")),
+        (pickle.UnpicklingError, ("invalid load key, '\\x9c'.",)),
+        (EOFError, ("Ran out of input",)),
+        (TypeError, ("not a dict",)),
+    ],
+)
+def test_checkpoint_error_type_keeps_the_original_type(original, args):
+    """Types whose ``__init__`` takes special arguments or whose ``__str__`` differs still give a ``CheckpointError``
+    that is an instance of them, carries the message as is, pickles, and is created once per type."""
+    error_type = _checkpoint_error_type(original)
+    assert error_type is _checkpoint_error_type(original)
+    assert error_type is _checkpoint_error_type(error_type)  # not wrapped twice
+    assert issubclass(error_type, CheckpointError) and issubclass(error_type, original)
+    error = error_type("Loading the checkpoint from 'x.ckpt' failed: boom.")
+    assert str(error) == "Loading the checkpoint from 'x.ckpt' failed: boom."  # e.g. not quoted like a KeyError
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is error_type and str(copy) == str(error)
+    # what the other ranks rebuild from the name of the type
+    assert _checkpoint_error_type_named(original.__module__, original.__qualname__) is error_type
+    with pytest.raises(original):
+        raise error
+
+
+class _FinalError(Exception):
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError("cannot be subclassed")
+
+
+@pytest.mark.parametrize(
+    "original", [RuntimeError, Exception, CheckpointError, _FinalError, ExceptionGroup, KeyboardInterrupt]
+)
+def test_checkpoint_error_type_falls_back_to_checkpoint_error(original):
+    """Types that ``CheckpointError`` already is, that cannot be subclassed, that cannot be built from a message, or
+    that are not an ``Exception`` give plain ``CheckpointError``."""
+    assert _checkpoint_error_type(original) is CheckpointError
+
+
+@pytest.mark.parametrize(
+    "module, qualname",
+    [("no_such_module", "Error"), ("builtins", "NoSuchError"), ("builtins", "len"), ("os", "path"), ("a", "<locals>.E")],
+)
+def test_checkpoint_error_type_named_falls_back_to_checkpoint_error(module, qualname):
+    assert _checkpoint_error_type_named(module, qualname) is CheckpointError
+
+
+@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_connector.distributed_available", return_value=True)
+def test_every_rank_raises_the_original_type(_):
+    """The rank that did not fail raises the type of the failing rank's error, which it only knows by name."""
+    names = {0: ("builtins", "FileNotFoundError"), 1: ("builtins", "ValueError")}
+    connector = _connector(rank=1, failed_ranks=[0], type_names=names)
+    with pytest.raises(FileNotFoundError, match="failed on global rank 0") as info:
+        connector._raise_on_all_ranks_if_any_failed(None, "Loading the checkpoint from 'x.ckpt'")
+    assert isinstance(info.value, CheckpointError)
+    # the failing rank sends the name of its error's type, and raises that type itself
+    error = FileNotFoundError(errno.ENOENT, "No such file or directory")
+    connector = _connector(rank=0, failed_ranks=[0], type_names=names)
+    with pytest.raises(FileNotFoundError) as info:
+        connector._raise_on_all_ranks_if_any_failed(error, "Loading the checkpoint from 'x.ckpt'")
+    assert isinstance(info.value, CheckpointError) and info.value.__cause__ is error
+    # a rank that failed too raises its own type
+    connector = _connector(rank=1, failed_ranks=[0, 1], type_names=names)
+    with pytest.raises(KeyError) as info:
+        connector._raise_on_all_ranks_if_any_failed(KeyError("state_dict"), "Loading")
+    assert isinstance(info.value, CheckpointError) and "failed on global rank 0" in str(info.value)
+    # a type that the other rank cannot import: plain CheckpointError
+    connector = _connector(rank=1, failed_ranks=[0], type_names={0: ("not_here", "Error")})
+    with pytest.raises(CheckpointError) as info:
+        connector._raise_on_all_ranks_if_any_failed(None, "Loading")
+    assert type(info.value) is CheckpointError
+
+
+@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_connector.distributed_available", return_value=True)
+def test_misconfiguration_keeps_its_type(_):
+    """The rank with a ``MisconfigurationException`` re-raises it unchanged; the others raise one too."""
+    error = MisconfigurationException("unsupported")
+    names = {0: ("pytorch_lightning.utilities.exceptions", "MisconfigurationException")}
+    with pytest.raises(MisconfigurationException) as info:
+        _connector(rank=0, failed_ranks=[0], type_names=names)._raise_on_all_ranks_if_any_failed(error, "Loading")
+    assert info.value is error
+    with pytest.raises(MisconfigurationException, match="failed on global rank 0") as info:
+        _connector(rank=1, failed_ranks=[0], type_names=names)._raise_on_all_ranks_if_any_failed(None, "Loading")
+    assert isinstance(info.value, CheckpointError)
+    with pytest.raises(MisconfigurationException) as info:
+        _connector(rank=0, failed_ranks=[], world_size=1)._raise_on_all_ranks_if_any_failed(error, "Loading")
+    assert info.value is error

@@ -13,8 +13,9 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
@@ -41,6 +42,23 @@ def write_facts(args: argparse.Namespace, **facts: Any) -> None:
     old = json.loads(path.read_text()) if path.exists() else {}
     old.update(facts)
     path.write_text(json.dumps(old, indent=1, sort_keys=True))
+
+
+def type_names(cls: type) -> list:
+    return [f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__]
+
+
+@contextmanager
+def recording_error_type(args: argparse.Namespace) -> Iterator[None]:
+    """Write the classes of the exception that escapes (and of its ``__cause__``) to ``<out>/rank<N>.types.json``, so
+    that the test can check which ``except`` clauses catch it on each rank."""
+    try:
+        yield
+    except BaseException as err:
+        cause = err.__cause__
+        types = {"error": type_names(type(err)), "cause": type_names(type(cause)) if cause is not None else None}
+        (args.out / f"rank{global_rank()}.types.json").write_text(json.dumps(types, indent=1))
+        raise
 
 
 class FailingCheckpointIO(TorchCheckpointIO):
@@ -105,8 +123,10 @@ def save_fails(args: argparse.Namespace) -> Dict[str, Any]:
         if trainer.is_global_zero:
             blocked.parent.write_text("not a directory")
             write_facts(args, failed_path=str(blocked), before=checkpoint_hashes(path.parent), fault_time=time.time())
-        trainer.save_checkpoint(blocked)
-    trainer.save_checkpoint(path)  # fails on rank 0 and must raise on every rank
+        with recording_error_type(args):
+            trainer.save_checkpoint(blocked)
+    with recording_error_type(args):
+        trainer.save_checkpoint(path)  # fails on rank 0 and must raise on every rank
     return {"rank": trainer.global_rank, "survived": True}
 
 
@@ -131,13 +151,14 @@ def fit_checkpoint_fails(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def resume_bad(args: argparse.Namespace) -> Dict[str, Any]:
-    """``fit(ckpt_path=...)`` from the file at ``--ckpt`` (prepared by the test), or with a load that fails on global
-    rank 1 only (``--ckpt`` a good checkpoint and ``--fail-load-rank 1``)."""
+    """``fit(ckpt_path=...)`` from the file at ``--ckpt`` (prepared by the test, or missing), or with a load that fails
+    on global rank 1 only (``--ckpt`` a good checkpoint and ``--fail-load-rank 1``)."""
     seed_everything(1)
     model = SGDModel()
     plugins = [RankFailingLoadIO(args, args.fail_load_rank)]
     trainer = Trainer(**trainer_kwargs(args, plugins=plugins, max_epochs=2, limit_train_batches=2))
-    trainer.fit(model, ckpt_path=args.ckpt)
+    with recording_error_type(args):
+        trainer.fit(model, ckpt_path=args.ckpt)
     return {"rank": trainer.global_rank, "survived": True, "global_step": trainer.global_step}
 
 

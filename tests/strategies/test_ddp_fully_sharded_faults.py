@@ -67,6 +67,15 @@ def read_facts(out: Path) -> Dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def assert_every_rank_raised_type(out: Path, expected: str) -> None:
+    """Every rank's error is both a ``CheckpointError`` and an ``expected`` (``module.qualname``), the type that
+    Lightning 1.6.5 raised, so that the ``except`` clauses written for it still catch it on every rank."""
+    for rank in range(WORLD_SIZE):
+        types = json.loads((out / f"rank{rank}.types.json").read_text())
+        assert "pytorch_lightning.utilities.exceptions.CheckpointError" in types["error"], (rank, types)
+        assert expected in types["error"], (rank, types)
+
+
 def hashes(folder: Path) -> Dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.ckpt"))}
 
@@ -87,6 +96,8 @@ def test_failed_save_stops_every_rank_and_keeps_previous_checkpoint(tmp_path, er
     }[error]
     rank0, rank1 = assert_every_rank_failed(tmp_path, result, "CheckpointError", path, cause)
     assert "failed on global rank 0" in rank1
+    # rank 1 did not fail itself: it learns the type of rank 0's error by name
+    assert_every_rank_raised_type(tmp_path, "builtins.RuntimeError" if error == "custom" else "builtins.OSError")
     time_to_exit(f"save_fails[{error}]", tmp_path, finished, result)
     facts = read_facts(tmp_path)
     assert facts["failed_path"] == path
@@ -119,11 +130,23 @@ def good_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["truncated", "random", "empty", "not_a_checkpoint", "wrong_keys", "rank1_only"])
-def test_resume_from_bad_checkpoint_fails_on_every_rank(tmp_path, good_checkpoint, kind):
+@pytest.mark.parametrize(
+    "kind, original",
+    [
+        ("missing", "builtins.FileNotFoundError"),
+        ("truncated", "builtins.RuntimeError"),
+        ("random", "_pickle.UnpicklingError"),
+        ("empty", "builtins.EOFError"),
+        ("not_a_checkpoint", "builtins.TypeError"),
+        ("wrong_keys", "builtins.RuntimeError"),
+        ("rank1_only", "builtins.FileNotFoundError"),
+    ],
+)
+def test_resume_from_bad_checkpoint_fails_on_every_rank(tmp_path, good_checkpoint, kind, original):
     """``fit(ckpt_path=...)`` from a bad file fails on both ranks with an error naming the path, quickly, and no rank
     trains on. ``rank1_only``: the file is good, but loading fails on global rank 1 only, so rank 0 alone would
-    otherwise go on into FSDP's collectives and wait there for the process-group timeout."""
+    otherwise go on into FSDP's collectives and wait there for the process-group timeout. On every rank the error
+    is also of the ``original`` type that Lightning 1.6.5 raised (e.g. ``FileNotFoundError`` for a missing file)."""
     ckpt = tmp_path / f"{kind}.ckpt"
     args = ["--ckpt", str(ckpt)]
     if kind == "rank1_only":
@@ -139,6 +162,7 @@ def test_resume_from_bad_checkpoint_fails_on_every_rank(tmp_path, good_checkpoin
     if kind == "rank1_only":
         fragments += ["failed on global rank 1"]
     assert_every_rank_failed(tmp_path, result, *fragments)
+    assert_every_rank_raised_type(tmp_path, original)
     time_to_exit(f"resume_bad[{kind}]", tmp_path, finished, result)
 
 
