@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 # The benchmark package, named in this one place.
-BENCH_MODULE="benchmarks.checkpoint_memory"
+BENCH_MODULE="fsdp_benchmarks.checkpoint_memory"
 STANDALONE_TIMEOUT=360  # the standalone tests together
 BENCH_TIMEOUT=100
 
