@@ -1,5 +1,6 @@
 """What the GPU pipeline relies on: CUDA hidden from the CPU suite, the standalone step's condition, and the dry run
 of tools/gpu_check.sh."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,4 +29,7 @@ def test_gpu_check_dry_run(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     assert "GPUs: 1, accelerator: gpu, benchmark ranks: 1, dry run" in summary
     assert "tests/standalone_tests.sh" in summary
-    assert "-m benchmarks.checkpoint_memory --accelerator gpu --devices 1" in summary
+    assert "-m fsdp_benchmarks.checkpoint_memory --accelerator gpu --devices 1" in summary
+    # the module the script runs exists (a renamed package would otherwise only fail on the GPU machine)
+    module = summary.split(" -m ", 1)[1].split()[0]
+    assert importlib.util.find_spec(module) is not None, module
