@@ -5,6 +5,7 @@ upstream behaviour side by side in the same run, the ``upstream`` and ``rank0-on
 ``CheckpointIO``, which does what 1.6.5 did: serialise the whole checkpoint into an in-memory buffer, write that
 buffer out in one go, and read files back with a plain ``torch.load`` into private memory.
 """
+import inspect
 import io
 from typing import Any, Callable, Dict, Optional
 
@@ -24,4 +25,6 @@ class UpstreamCheckpointIO(TorchCheckpointIO):
             f.write(buffer.getvalue())  # ``getvalue`` is a second full copy, as upstream's was
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage) -> Any:
-        return pl_load(path, map_location=map_location, mmap=False)
+        # ``mmap`` exists only with the fork/mmap-checkpoint-load patch; without it the load is plain already
+        plain = {"mmap": False} if "mmap" in inspect.signature(pl_load).parameters else {}
+        return pl_load(path, map_location=map_location, **plain)
