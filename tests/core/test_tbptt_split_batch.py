@@ -2,8 +2,10 @@
 (``compat/python310-collections-abc``)."""
 import torch
 
+from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
 from tests.helpers import BoringModel
+
 
 
 def test_tbptt_split_batch_of_tensors_and_sequences():
@@ -37,15 +39,7 @@ class TBPTTModel(BoringModel):
 
 def test_fit_with_truncated_bptt(tmp_path):
     model = TBPTTModel()
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-    )
+    trainer = Trainer(**quiet_trainer_kwargs(tmp_path, 1, max_epochs=1, limit_val_batches=0))
     trainer.fit(model)
     # 2 batches of 6 time steps, in splits of 2
     assert model.split_shapes == [(2, 2, 32)] * 6

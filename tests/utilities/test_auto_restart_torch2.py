@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
+from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import seed_everything, Trainer
 from pytorch_lightning.utilities.auto_restart import FastForwardSampler
 from tests.helpers import BoringModel
@@ -47,16 +48,7 @@ class RowModel(BoringModel):
 
 
 def _trainer(tmp_path):
-    return Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        limit_train_batches=6,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-    )
+    return Trainer(**quiet_trainer_kwargs(tmp_path, 1, max_epochs=1, limit_train_batches=6, limit_val_batches=0))
 
 
 def test_fault_tolerant_fit_and_mid_epoch_restore(tmp_path, monkeypatch):
