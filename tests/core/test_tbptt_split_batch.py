@@ -7,7 +7,6 @@ from pytorch_lightning import Trainer
 from tests.helpers import BoringModel
 
 
-
 def test_tbptt_split_batch_of_tensors_and_sequences():
     x = torch.arange(2 * 5).view(2, 5)
     names = [["a", "b", "c", "d", "e"], ["f", "g", "h", "i", "j"]]  # a sequence per sample, time along it
