@@ -41,6 +41,16 @@ def main(scenarios: Dict[str, Scenario], add_arguments: Callable[[argparse.Argum
         raise
     rank = global_rank()
     (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    _shut_down_process_group()
+
+
+def _shut_down_process_group() -> None:
+    # Lightning 1.6 leaves the process group to interpreter shutdown, where gloo's threads can be torn down in any
+    # order ("terminate called without an active exception", exit code -6). Shut it down while everything is alive.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def read_results(out: Path, world_size: int) -> List[Dict[str, Any]]:
