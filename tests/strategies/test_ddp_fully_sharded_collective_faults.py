@@ -1,0 +1,49 @@
+"""A failure on one rank in the middle of a per-unit loop of FSDP checkpointing (the state-dict gather, the
+optimizer-state consolidation, the per-unit model load, the optimizer re-shard) must not desynchronise the ranks:
+every rank completes the same collectives and then raises ``CheckpointError``, naming the failing rank and the cause,
+within seconds, and a failed save leaves the previous checkpoint byte-identical.
+
+Runs ``tests/strategies/fsdp_collective_fault_scenarios.py`` on 2 CPU ranks (see fsdp_harness/cpu_fsdp.py); each
+test prints ``collective fault <loop> on rank <R>: time-to-raise ...`` (run pytest with ``-s`` to see it).
+Without the fix, the other rank waits in the next collective of the loop until the process group times out (here:
+``run_module`` kills the ranks) or fails with an unrelated gloo error.
+"""
+from pathlib import Path
+
+import pytest
+
+from fsdp_harness.multiprocess import run_module
+from fsdp_harness.scenario import read_results
+
+SCENARIOS = "tests.strategies.fsdp_collective_fault_scenarios"
+MAX_RAISE_SECONDS = 60
+WORLD_SIZE = 2
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+@pytest.mark.parametrize("loop", ["state_dict", "optimizer", "load", "reshard"])
+def test_fault_in_per_unit_loop_raises_on_every_rank(tmp_path: Path, loop: str, fail_rank: int) -> None:
+    fail_on = "1" if loop == "reshard" else "2"  # one outermost FSDP instance, so one re-shard
+    result = run_module(
+        SCENARIOS,
+        [loop, "--out", str(tmp_path), "--fail-rank", str(fail_rank), "--fail-on", fail_on],
+        timeout=240,
+        grace=MAX_RAISE_SECONDS + 5,
+    )
+    assert not result.timed_out, f"timed out after {result.seconds:.0f}s (a rank hung); output:\n{result.output[-6000:]}"
+    assert result.returncode == 0, f"exit code {result.returncode}; output:\n{result.output[-6000:]}"
+    results = read_results(tmp_path, WORLD_SIZE)
+    assert results[fail_rank]["fault_raised_at"] == int(fail_on), results
+    times = []
+    for rank, outcome in enumerate(results):
+        assert outcome["raised"], f"rank {rank} did not raise: {outcome}"
+        assert "CheckpointError" in outcome["mro"], outcome
+        assert f"failed on global rank {fail_rank}: InjectedFault: injected fault" in outcome["message"], outcome
+        assert outcome["seconds"] < MAX_RAISE_SECONDS, outcome
+        if rank == fail_rank:
+            assert outcome["cause"] and outcome["cause"].startswith("InjectedFault"), outcome
+        times.append(outcome["seconds"])
+    if loop in ("state_dict", "optimizer"):
+        assert results[0]["before"] == results[0]["after"], "the failed save changed the previous checkpoint"
+        assert results[0]["files"] == ["model.ckpt"], results[0]["files"]
+    print(f"collective fault {loop} on rank {fail_rank}: time-to-raise {max(times):.3f}s (per rank {times})")
