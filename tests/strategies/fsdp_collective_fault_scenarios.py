@@ -4,6 +4,7 @@
 Each scenario fits ``FSDPModel`` (3 FSDP units) for one step, saves a good checkpoint, then makes the ``--fail-on``-th
 per-unit local operation of one loop raise on global rank ``--fail-rank`` only:
 
+- ``state_dict_memory``: the host-memory check before the state-dict gather reports 64 bytes available;
 - ``state_dict``: FairScale's ``_post_state_dict_hook`` (patched before the model is wrapped, since FSDP binds it
   with ``functools.partial`` when it is constructed), during ``trainer.save_checkpoint``;
 - ``optimizer``: the optimizer-state consolidation, during ``trainer.save_checkpoint``: on rank 0 the per-unit
@@ -84,7 +85,19 @@ def _model() -> FSDPModel:
 
 def save_side(args: argparse.Namespace) -> Dict[str, Any]:
     fault = Fault(args)
-    if args.loop == "state_dict":
+    if args.loop == "state_dict_memory":
+        import pytorch_lightning.utilities.distributed as distributed
+
+        original_available = distributed._available_host_memory
+
+        def available() -> Any:
+            if fault.armed and global_rank() == fault.fail_rank:
+                fault.raised_at = 1
+                return 64  # bytes: too little even for this small model's state dict
+            return original_available()
+
+        distributed._available_host_memory = available
+    elif args.loop == "state_dict":
         from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
         fsdp_module._post_state_dict_hook = fault.wrap(fsdp_module._post_state_dict_hook)
@@ -93,7 +106,7 @@ def save_side(args: argparse.Namespace) -> Dict[str, Any]:
         from fairscale.nn.misc import FlattenParamsWrapper
 
         FlattenParamsWrapper.get_param_views = fault.wrap(FlattenParamsWrapper.get_param_views)
-    else:
+    elif global_rank() == args.fail_rank:
         fully_sharded._optimizer_state_to_gather_device = fault.wrap(fully_sharded._optimizer_state_to_gather_device)
     seed_everything(1)
     strategy = CPUFullyShardedStrategy()
@@ -113,11 +126,12 @@ def save_side(args: argparse.Namespace) -> Dict[str, Any]:
     trainer.fit(_model())
     path = args.out / "ckpts" / "model.ckpt"
     path.parent.mkdir(exist_ok=True)
-    trainer.save_checkpoint(path)
+    # weights only: a full save over it that went through would change the file
+    trainer.save_checkpoint(path, weights_only=True)
     trainer.strategy.barrier()
     before = sha256(path)
     fault.enabled = True
-    fault.armed = args.loop == "state_dict"
+    fault.armed = args.loop in ("state_dict", "state_dict_memory")
     start = time.monotonic()
     result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": False}
     try:
@@ -185,11 +199,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 if __name__ == "__main__":
     scenarios = {}
-    for loop, run in (("state_dict", save_side), ("optimizer", save_side), ("load", load_side), ("reshard", load_side)):
+    for loop, run in (
+        ("state_dict", save_side),
+        ("state_dict_memory", save_side),
+        ("optimizer", save_side),
+        ("load", load_side),
+        ("reshard", load_side),
+    ):
 
         def scenario(args: argparse.Namespace, loop: str = loop, run: Callable = run) -> Dict[str, Any]:
             args.loop = loop
-            return run(args)
+            result = run(args)
+            # tear the process groups (the default one and the checkpoint group) down while every rank is here: left
+            # to the interpreter's exit, gloo once aborted a rank ("terminate called without an active exception")
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+                torch.distributed.destroy_process_group()
+            return result
 
         scenarios[loop] = scenario
     main(scenarios, add_arguments)
