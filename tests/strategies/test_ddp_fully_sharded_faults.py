@@ -17,6 +17,7 @@ import pytest
 
 from fsdp_harness.corrupt_checkpoint import make_bad_checkpoint
 from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
+from pytorch_lightning.utilities.cloud_io import atomic_save
 
 SCENARIOS = "tests.strategies.fsdp_fault_scenarios"
 MAX_EXIT_SECONDS = 60
@@ -188,3 +189,8 @@ def test_killed_mid_save_leaves_no_truncated_file(tmp_path, previous):
             f"a partial {target} of {target.stat().st_size} B was left behind"
             f" (killed while writing {facts['killed_while']} at {facts['killed_at_size']} B)"
         )
+    # the kill left the temporary file behind; the next save into the directory removes it
+    debris = list((tmp_path / "ckpts").glob("model.ckpt.*.tmp"))
+    assert len(debris) == 1, debris
+    atomic_save({"next": 1}, tmp_path / "ckpts" / "next.ckpt")
+    assert not list((tmp_path / "ckpts").glob("*.tmp"))

@@ -1,0 +1,75 @@
+"""A failure on one rank in the middle of a per-unit loop of FSDP checkpointing (the state-dict gather, the
+optimizer-state consolidation, the per-unit model load, the optimizer re-shard) must not desynchronise the ranks:
+every rank completes the same collectives and then raises ``CheckpointError``, naming the failing rank and the cause,
+within seconds, and a failed save leaves the previous checkpoint byte-identical.
+
+Runs ``tests/strategies/fsdp_collective_fault_scenarios.py`` on 2 CPU ranks (see fsdp_harness/cpu_fsdp.py); each
+test prints ``collective fault <loop> on rank <R>: time-to-raise ...`` (run pytest with ``-s`` to see it).
+Without the fix, the other rank waits in the next collective of the loop until the process group times out (here:
+``run_module`` kills the ranks) or fails with an unrelated gloo error.
+"""
+from pathlib import Path
+
+import pytest
+
+from fsdp_harness.multiprocess import run_module
+from fsdp_harness.scenario import read_results
+
+SCENARIOS = "tests.strategies.fsdp_collective_fault_scenarios"
+MAX_RAISE_SECONDS = 60
+WORLD_SIZE = 2
+
+
+@pytest.mark.parametrize(
+    "loop, fail_rank",
+    [
+        (loop, rank)
+        for loop in ("state_dict", "optimizer", "load", "reshard")
+        for rank in (0, 1)
+    ]
+    # with ``state_dict_on_rank_0_only`` only global rank 0 needs host memory for the state dict
+    + [("state_dict_memory", 0)],
+)
+def test_fault_in_per_unit_loop_raises_on_every_rank(tmp_path: Path, loop: str, fail_rank: int) -> None:
+    # one outermost FSDP instance, so one re-shard; one memory check
+    fail_on = "1" if loop in ("reshard", "state_dict_memory") else "2"
+    cause = "MemoryError: The full state dict needs" if loop == "state_dict_memory" else "InjectedFault: injected fault"
+    result = run_module(
+        SCENARIOS,
+        [loop, "--out", str(tmp_path), "--fail-rank", str(fail_rank), "--fail-on", fail_on],
+        timeout=240,
+        grace=MAX_RAISE_SECONDS + 5,
+    )
+    assert not result.timed_out, f"timed out after {result.seconds:.0f}s (a rank hung); output:\n{result.output[-6000:]}"
+    assert result.returncode == 0, f"exit code {result.returncode}; output:\n{result.output[-6000:]}"
+    results = read_results(tmp_path, WORLD_SIZE)
+    assert results[fail_rank]["fault_raised_at"] == int(fail_on), results
+    times = []
+    for rank, outcome in enumerate(results):
+        assert outcome["raised"], f"rank {rank} did not raise: {outcome}"
+        assert "CheckpointError" in outcome["mro"], outcome
+        assert f"failed on global rank {fail_rank}: {cause}" in outcome["message"], outcome
+        assert outcome["seconds"] < MAX_RAISE_SECONDS, outcome
+        if rank == fail_rank:
+            assert outcome["cause"] and outcome["cause"].startswith(cause.split(":")[0]), outcome
+        times.append(outcome["seconds"])
+    if loop in ("state_dict", "state_dict_memory", "optimizer"):
+        assert results[0]["before"] == results[0]["after"], "the failed save changed the previous checkpoint"
+        assert results[0]["files"] == ["model.ckpt"], results[0]["files"]
+    print(f"collective fault {loop} on rank {fail_rank}: time-to-raise {max(times):.3f}s (per rank {times})")
+
+
+def test_loop_errors_are_kept_only_while_a_save_gathers_the_state() -> None:
+    """Outside ``Trainer.save_checkpoint`` (a direct call of ``lightning_module_state_dict``, say) a failed loop
+    raises at its end; during a save the first error is kept for the save to raise on every rank."""
+    from pytorch_lightning.strategies import DDPFullyShardedStrategy
+
+    strategy = DDPFullyShardedStrategy()
+    with pytest.raises(ValueError, match="direct"):
+        strategy._record_checkpoint_error(ValueError("direct"))
+    assert strategy._pop_checkpoint_error() is None
+    strategy._defer_checkpoint_errors = True
+    strategy._record_checkpoint_error(ValueError("first"))
+    strategy._record_checkpoint_error(KeyError("second"))
+    assert str(strategy._pop_checkpoint_error()) == "first"
+    assert strategy._pop_checkpoint_error() is None
