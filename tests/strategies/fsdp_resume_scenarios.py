@@ -204,6 +204,8 @@ def report(args: argparse.Namespace, trainer: Trainer, model: ResumeModel, **ext
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "lrs": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
+        # why the last save was not streamed (``stream_checkpoint``), ``None`` if it was
+        "stream_reason": getattr(trainer.strategy, "_last_checkpoint_stream_reason", "no save"),
     }
     result.update(extra)
     return result

@@ -94,6 +94,8 @@ def check_exact_resume(tmp_path: Path, optimizer: str, *extra: str, devices: int
         devices=devices,
     )
     assert [r["global_step"] for r in results] == [8 if devices == 2 else 16] * devices
+    # ModelCheckpoint's saves were streamed (``stream_checkpoint``), the resumed one's included
+    assert [r["stream_reason"] for r in read_results(straight, devices)] == [None] * devices
     for rank in range(devices):
         expected, actual = rank_state(straight, rank), rank_state(resumed, rank)
         assert_same(actual["params"], expected["params"], f"rank {rank} params", atol)

@@ -1,0 +1,192 @@
+"""Multi-process scenarios of streamed FSDP saves (``DDPFullyShardedStrategy(stream_checkpoint=True)``) on CPU,
+run as ``python -m tests.strategies.fsdp_stream_scenarios``; driven by ``test_ddp_fully_sharded_stream.py``.
+
+Each one saves the same state twice, streamed and gathered (``stream_checkpoint=False``, the path taken before),
+and global rank 0 compares the two files entry by entry, every tensor and every other value.
+"""
+import argparse
+import errno
+import os
+from typing import Any, Dict, List
+from unittest import mock
+
+import torch
+from torch import nn
+
+from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
+from fsdp_harness.models import FSDPModel
+from fsdp_harness.scenario import main, quiet_trainer_kwargs
+from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning.utilities.exceptions import CheckpointError
+
+
+class TiedFSDPModel(FSDPModel):
+    """Adds a block whose two linear layers share their weight, and a buffer, inside an FSDP unit."""
+
+    def configure_sharded_model(self) -> None:
+        from fairscale.nn import wrap
+
+        if self.layer is not None:
+            return
+        super().configure_sharded_model()
+        first, second = nn.Linear(self.width, self.width), nn.Linear(self.width, self.width)
+        second.weight = first.weight
+        block = nn.Sequential(first, nn.Tanh(), second)
+        block.register_buffer("scale", torch.arange(float(self.width)))
+        self.tied = wrap(block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tied(super().forward(x)) * self.tied.scale.mean()
+
+
+class ReadsStateOnSave(FSDPModel):
+    """``on_save_checkpoint`` reads a value and replaces an entry, which placeholders could not give it."""
+
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        state_dict = checkpoint["state_dict"]
+        if state_dict:  # global rank 0
+            key = sorted(state_dict)[0]
+            checkpoint["first_value"] = float(state_dict[key].reshape(-1)[0])
+            state_dict[key] = state_dict[key] * 2
+
+
+def strategy(args: argparse.Namespace, **kwargs: Any) -> CPUFullyShardedStrategy:
+    return CPUFullyShardedStrategy(min_num_params=100, **kwargs)
+
+
+def make_model(args: argparse.Namespace) -> FSDPModel:
+    kwargs = dict(width=16, units=3, extra_before=True, extra_after=True, optimizer=args.optimizer, scheduler=True)
+    model_class = {"plain": FSDPModel, "tied": TiedFSDPModel, "hook": ReadsStateOnSave}[args.model]
+    return model_class(wrapping=args.wrapping, **kwargs)
+
+
+def differences(actual: Any, expected: Any, path: str = "") -> List[str]:
+    """Where two loaded checkpoints differ: keys, types, tensor dtypes, shapes and values, other values."""
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or list(actual) != list(expected):
+            return [f"{path}: keys {list(actual) if isinstance(actual, dict) else type(actual)} != {list(expected)}"]
+        return [d for k in expected for d in differences(actual[k], expected[k], f"{path}/{k}")]
+    if isinstance(expected, (list, tuple)):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [f"{path}: {type(actual).__name__} of {len(actual)} != {len(expected)}"]
+        return [d for i, (a, e) in enumerate(zip(actual, expected)) for d in differences(a, e, f"{path}/{i}")]
+    if isinstance(expected, torch.Tensor):
+        same = (
+            isinstance(actual, torch.Tensor)
+            and actual.dtype == expected.dtype
+            and actual.shape == expected.shape
+            and torch.equal(actual, expected)
+        )
+        return [] if same else [f"{path}: tensor differs"]
+    return [] if actual == expected else [f"{path}: {actual!r} != {expected!r}"]
+
+
+def count_tensors(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(count_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(count_tensors(v) for v in obj)
+    return 0
+
+
+def load(path: str) -> Dict[str, Any]:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint.pop("pytorch-lightning_version", None)
+    return checkpoint
+
+
+def streamed_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fit, then save streamed and gathered, full and weights-only; rank 0 compares the files."""
+    seed_everything(3)
+    model = make_model(args)
+    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=strategy(args), max_epochs=2))
+    trainer.fit(model)
+    result: Dict[str, Any] = {"rank": trainer.global_rank}
+    for weights_only in (False, True):
+        suffix = "-weights" if weights_only else ""
+        trainer.strategy.stream_checkpoint = True
+        trainer.save_checkpoint(args.out / f"streamed{suffix}.ckpt", weights_only=weights_only)
+        result[f"stream_reason{suffix}"] = trainer.strategy._last_checkpoint_stream_reason
+        trainer.strategy.stream_checkpoint = False
+        trainer.save_checkpoint(args.out / f"gathered{suffix}.ckpt", weights_only=weights_only)
+        if trainer.global_rank == 0:
+            streamed, gathered = load(args.out / f"streamed{suffix}.ckpt"), load(args.out / f"gathered{suffix}.ckpt")
+            if "first_value" in gathered:
+                # read from the state by the hook, which saw the values in both saves
+                result[f"first_value{suffix}"] = [streamed["first_value"], gathered["first_value"]]
+            result[f"differences{suffix}"] = differences(streamed, gathered)
+            result[f"tensors{suffix}"] = count_tensors(gathered)
+            result[f"weights_only_loads{suffix}"] = len(torch.load(args.out / f"streamed{suffix}.ckpt", weights_only=True)["state_dict"])
+    result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    return result
+
+
+def fails_while_streaming(args: argparse.Namespace) -> Dict[str, Any]:
+    """Save a good checkpoint, then fail the next save of the same path mid-stream on ``--fail-rank``: on global
+    rank 0 the disk fills up after the file's structure was written; on another rank, moving a unit's optimizer
+    state to the gather device fails. Then save again, successfully."""
+    seed_everything(4)
+    model = make_model(args)
+    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=strategy(args), max_epochs=1))
+    trainer.fit(model)
+    path = args.out / "last.ckpt"
+    trainer.save_checkpoint(path)
+    before = path.read_bytes() if trainer.global_rank == 0 else b""
+    result: Dict[str, Any] = {"rank": trainer.global_rank}
+    if args.fail_rank == 0:
+        real_pwrite, calls = os.pwrite, []
+
+        def pwrite(fd: int, data: Any, offset: int) -> int:
+            calls.append(offset)
+            if len(calls) > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_pwrite(fd, data, offset)
+
+        patch = mock.patch("os.pwrite", pwrite) if trainer.global_rank == 0 else mock.patch.dict({})
+    else:
+        stream_optimizer_state = type(trainer.strategy)._stream_optimizer_state
+
+        def failing_to(tensor: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+            raise RuntimeError("injected failure moving optimizer state")
+
+        def stream_with_failure(*a: Any, **k: Any) -> None:
+            # only this rank's local work fails: its part of the gathers still runs, with zeros
+            with mock.patch.object(torch.Tensor, "to", failing_to):
+                stream_optimizer_state(*a, **k)
+
+        patch = (
+            mock.patch.object(type(trainer.strategy), "_stream_optimizer_state", stream_with_failure)
+            if trainer.global_rank == args.fail_rank
+            else mock.patch.dict({})
+        )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    try:
+        with patch:
+            trainer.save_checkpoint(path)
+        result["raised"] = None
+    except CheckpointError as ex:
+        result["raised"] = str(ex)
+    if trainer.global_rank == 0:
+        result["unchanged"] = path.read_bytes() == before
+        result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    # the strategy still saves afterwards
+    trainer.save_checkpoint(args.out / "after.ckpt")
+    if trainer.global_rank == 0:
+        result["after_loads"] = len(load(args.out / "after.ckpt")["state_dict"])
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=["plain", "tied", "hook"], default="plain")
+    parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--fail-rank", type=int, default=0)
+
+
+if __name__ == "__main__":
+    main({"streamed_equals_gathered": streamed_equals_gathered, "fails_while_streaming": fails_while_streaming},
+         add_arguments)
