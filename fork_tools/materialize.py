@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from fork_tools.revision import read_revision
 from fork_tools.series import PATCH_DIR, Patch, Tree, apply_series, read_series
@@ -114,15 +114,28 @@ def write_tree(tree: Tree, root: Path, version: str, inputs: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def materialize(root: Path = ROOT, force: bool = False, patch_dir: Path = PATCH_DIR) -> str:
+def series_groups(patches: List[Patch], groups: Sequence[str]) -> List[Patch]:
+    """The patches of the listed groups (``compat``, ``upstream``, ``fork``: the folder in the patch's name), in
+    series order."""
+    return [patch for patch in patches if patch.name.split("/", 1)[0] in groups]
+
+
+def materialize(
+    root: Path = ROOT, force: bool = False, patch_dir: Path = PATCH_DIR, groups: Optional[Sequence[str]] = None
+) -> str:
     """Build ``root/pytorch_lightning`` from the series in ``patch_dir`` unless it is already up to date.
 
     Returns the fork version. A tree with edits that were never refreshed into a patch is not overwritten unless
-    ``force`` is given.
+    ``force`` is given. ``groups`` builds only those groups of the series, e.g. ``("compat",)`` for upstream 1.6.5
+    as it runs on today's stack (the checkpoint-memory benchmark's baseline); such a tree's version carries the
+    groups (``...+fsdp.<revision>.compat``), so it is never mistaken for the fork.
     """
     pin = read_pin()
     patches = read_series(patch_dir)
     version = fork_version(pin, patch_dir)
+    if groups is not None:
+        patches = series_groups(patches, groups)
+        version += "." + ".".join(groups)
     inputs = inputs_digest(pin, patches, patch_dir)
     stamp = _read_stamp(root)
     if stamp is not None and not force:

@@ -1,10 +1,12 @@
 """Checkpoint memory benchmark: ``python -m fsdp_benchmarks.checkpoint_memory [--devices 2,4] [--size-mb 256] ...``
 (or ``python fsdp_benchmarks/checkpoint_memory.py ...``).
 
-For each world size N and each configuration (see ``fsdp_benchmarks/configs.py``) it starts N ranks of
-``python -m fsdp_benchmarks.worker`` (Lightning's launcher starts ranks >= 1), with ``MALLOC_MMAP_THRESHOLD_=65536`` in
-their environment and every rank bounded by a timeout. Each rank measures the extra anonymous memory (RssAnon peak
-minus baseline) and wall time of ``trainer.save_checkpoint`` and of resuming with ``fit(ckpt_path=...)`` in a fresh
+First it prepares the builds the chosen configurations run on (``fsdp_benchmarks/builds.py``: the pure 1.6.5
+baseline is materialised once into ``<out>/builds/compat/``). Then, for each world size N and each configuration
+(``fsdp_benchmarks/configs.py``), it starts N ranks of ``python -m fsdp_benchmarks.worker`` (Lightning's launcher starts
+ranks >= 1) on that configuration's build, with ``MALLOC_MMAP_THRESHOLD_=65536`` in their environment and every rank
+bounded by a timeout. Each rank measures the extra memory (peak minus baseline: anonymous, and anonymous plus mapped
+file pages) and wall time of ``trainer.save_checkpoint`` and of resuming with ``fit(ckpt_path=...)`` in a fresh
 Trainer; rank 0 checks the file against the gathered parameters. Prints a table (per-rank rows and node totals, MiB
 and x S), and optionally writes JSON (``--json``) and a plot (``--plot``). Exits non-zero when any run fails its check.
 """
@@ -23,6 +25,7 @@ if not __package__:
     # package nor fsdp_harness would import (and this folder's modules would shadow top-level names).
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from fsdp_benchmarks import builds as lightning_builds  # noqa: E402
 from fsdp_benchmarks import configs as registry  # noqa: E402
 from fsdp_benchmarks import report  # noqa: E402
 from fsdp_harness.multiprocess import run_module  # noqa: E402
@@ -73,7 +76,9 @@ def resolve_accelerator(choice: str, world_size: int) -> str:
     return "gpu" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
 
 
-def run_one(config: str, world_size: int, args: argparse.Namespace, out: Path) -> Dict[str, Any]:
+def run_one(
+    config: str, world_size: int, args: argparse.Namespace, out: Path, build: lightning_builds.Build
+) -> Dict[str, Any]:
     run_dir = out / f"{config}-n{world_size}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -85,7 +90,7 @@ def run_one(config: str, world_size: int, args: argparse.Namespace, out: Path) -
     ]
     env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **registry.by_name(config).env}
     timeout = args.timeout or 180 + 1.0 * args.size_mb * world_size
-    result = run_module("fsdp_benchmarks.worker", worker_args, timeout=timeout, env=env)
+    result = run_module("fsdp_benchmarks.worker", worker_args, timeout=timeout, env=env, path_first=build.path_first)
     (run_dir / "output.log").write_text(result.output)
     ranks, missing = [], []
     for rank in range(world_size):
@@ -102,7 +107,12 @@ def run_one(config: str, world_size: int, args: argparse.Namespace, out: Path) -
         print(f"  {config} N={world_size}: FAILED ({why}, ranks without result {missing}): {detail}", flush=True)
         print(result.output[-4000:], file=sys.stderr)
         return report.failed_run(config, world_size, args.size_mb, f"{why}; missing ranks {missing}; {detail}")
-    run = report.make_run(config, world_size, ranks)
+    wrong_build = [r["rank"] for r in ranks if not build.imported_by(r["lightning_file"])]
+    if wrong_build:
+        detail = f"ranks {wrong_build} imported {ranks[0]['lightning_file']}, not the {build.name} build {build.package}"
+        print(f"  {config} N={world_size}: FAILED: {detail}", flush=True)
+        return report.failed_run(config, world_size, args.size_mb, detail)
+    run = report.make_run(config, world_size, ranks, complete=registry.by_name(config).complete)
     run["wall_seconds"] = result.seconds
     for path in run_dir.glob("*.ckpt"):
         path.unlink()  # keep --out small: the checkpoints are S-sized and only needed inside the run
@@ -122,14 +132,16 @@ def main(argv: List[str] = None) -> int:
     total = len(args.devices) * len(args.configs)
     start = time.monotonic()
     try:
+        builds = lightning_builds.prepare((registry.by_name(c).build for c in args.configs), out)
         for world_size in args.devices:
             for config in args.configs:
                 print(f"[{len(runs) + 1}/{total}] {config}, N={world_size}, S={args.size_mb:g} MiB, K={args.units},"
                       f" {registry.by_name(config).optimizer or args.optimizer}: running...", flush=True)
-                run = run_one(config, world_size, args, out)
+                run = run_one(config, world_size, args, out, builds[registry.by_name(config).build])
                 runs.append(run)
                 if run["ranks"]:
-                    print(f"[{len(runs)}/{total}] {config}, N={world_size}: node save +{run['node_save_peak_extra_mb']:.1f} MiB"
+                    print(f"[{len(runs)}/{total}] {config}, N={world_size}: node save"
+                          f" +{run['node_save_peak_extra_anon_file_mb']:.1f} MiB anon+file"
                           f" ({run['node_save_x_s']:.2f} x S), resume +{run['node_load_peak_extra_mb']:.1f} MiB"
                           f" ({run['node_load_x_s']:.2f} x S), ok={run['ok']}, {run['wall_seconds']:.0f} s", flush=True)
     finally:
@@ -145,10 +157,12 @@ def main(argv: List[str] = None) -> int:
         "devices": args.devices,
         "configs": args.configs,
         "configurations": {c.name: c.description for c in registry.CONFIGS if c.name in args.configs},
+        "builds": {b.name: b.version for b in builds.values()},
         "machine": f"{platform.machine()}, {_cpu_model()}, {_cpus()} CPUs, {_memory_gb():.0f} GB RAM",
         "python": platform.python_version(),
         "versions": _versions(),
         "malloc_mmap_threshold": MMAP_THRESHOLD,
+        "memory": "save: anonymous + mapped file pages; resume: anonymous, mapped file pages beside it (node: largest rank)",
         "seconds": time.monotonic() - start,
     }
     if args.json:
@@ -156,7 +170,7 @@ def main(argv: List[str] = None) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         report.plot(runs, args.plot, title=f"Extra host memory per node, S = {args.size_mb:g} MiB, K = {args.units},"
-                    f" {args.optimizer}")
+                    f" {args.optimizer} (*-adam: Adam)")
         print(f"wrote {args.plot}")
     failed = [f"{r['config']} N={r['world_size']}" for r in runs if not r["ok"]]
     if failed:

@@ -1,17 +1,23 @@
 """The configurations the checkpoint-memory benchmark compares, side by side in one run.
 
-Adding a configuration is one entry in :data:`CONFIGS`. A configuration maps to the keyword arguments of
-``DDPFullyShardedStrategy`` and, where it needs one, a ``CheckpointIO`` and extra environment variables for the ranks.
+Adding a configuration is one entry in :data:`CONFIGS`. A configuration maps to the build its ranks import, the
+keyword arguments of ``DDPFullyShardedStrategy`` and, where it needs one, a ``CheckpointIO`` and extra environment
+variables for the ranks.
+
+``build`` (see :mod:`fsdp_benchmarks.builds`): ``"fork"`` runs on the tree the benchmark itself imports (the whole
+series); ``"compat"`` on upstream 1.6.5 plus only the compat/ patches of ``patches/series``, i.e. 1.6.5 as released,
+made to run on today's stack. 1.6.5 writes only rank 0's shard of the optimizer state, so a ``compat`` checkpoint is
+incomplete (:attr:`BenchConfig.complete`); the benchmark checks its model weights and reports that.
 
 ``checkpoint_io`` names a ``CheckpointIO`` class as ``"module:Class"`` (built with no arguments in every rank and
 passed as ``strategy(checkpoint_io=...)``). The fork's defaults stream saves into a temporary file and memory-map
-checkpoints on resume (the fork/streaming-atomic-save and fork/mmap-checkpoint-load patches), so the baselines plug in
-:mod:`fsdp_benchmarks.upstream_io`, which does upstream 1.6.5's I/O. Every configuration, the baselines included,
-consolidates the optimizer state on rank 0 (the fork/fsdp-consolidated-optimizer-state patch), which 1.6.5 did not.
-``optimizer`` overrides the run's ``--optimizer`` for that configuration.
+checkpoints on resume (the fork/streaming-atomic-save and fork/mmap-checkpoint-load patches), so ``rank0-only``
+plugs in :mod:`fsdp_benchmarks.upstream_io`, which does upstream 1.6.5's I/O on the fork's build. ``optimizer``
+overrides the run's ``--optimizer`` for that configuration.
 
-There are no separate ``stream-save``/``shared-load`` configurations: both are the fork's defaults, so ``fork``
-measures them, and ``rank0-only`` (the upstream PR, with upstream's I/O) isolates what they add.
+``stream_checkpoint`` is passed explicitly to every fork-build configuration, so each one measures the save path its
+name says whatever the strategy's default is; with ``True`` the worker also checks the streamed file against a
+gathered save (:attr:`BenchConfig.streams`).
 """
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -25,6 +31,17 @@ class BenchConfig:
     checkpoint_io: Optional[str] = None
     env: Dict[str, str] = field(default_factory=dict)
     optimizer: Optional[str] = None
+    build: str = "fork"
+
+    @property
+    def complete(self) -> bool:
+        """Whether the checkpoint holds the whole optimizer state: 1.6.5 (the ``compat`` build) saves rank 0's shard."""
+        return self.build != "compat"
+
+    @property
+    def streams(self) -> bool:
+        """Whether rank 0 streams the file while gathering; then the worker also verifies it against a gathered save."""
+        return self.strategy_kwargs.get("stream_checkpoint") is True
 
     def build_checkpoint_io(self) -> Any:
         if self.checkpoint_io is None:
@@ -40,24 +57,29 @@ def _resolve(qualified_name: str) -> Any:
 
 
 _UPSTREAM_IO = "fsdp_benchmarks.upstream_io:UpstreamCheckpointIO"
-_UPSTREAM = {"state_dict_on_rank_0_only": False}
+_GATHERED = {"stream_checkpoint": False}
+_STREAMED = {"stream_checkpoint": True}
+_PURE_1_6_5 = (
+    "pure 1.6.5 (compat patches only): full state dict on every rank; optimizer state is rank 0's shard only"
+    " — incomplete checkpoint"
+)
+_FORK_GATHERED = "the fork, gathered save: full state on rank 0, then streamed to disk (stream_checkpoint=False)"
+_FORK_STREAMED = "the fork's default: rank 0 writes the file while gathering unit by unit (stream_checkpoint=True)"
 
 CONFIGS: List[BenchConfig] = [
-    BenchConfig(
-        "upstream",
-        "upstream save path + consolidated optimizer state: full state dict on every rank, buffered save, plain load",
-        _UPSTREAM,
-        _UPSTREAM_IO,
-    ),
+    BenchConfig("upstream", _PURE_1_6_5, build="compat"),
     BenchConfig(
         "rank0-only",
-        "the upstream PR + consolidated optimizer state: state_dict_on_rank_0_only=True, upstream's I/O",
-        {},
+        "the upstream PR on the fork's build: state_dict_on_rank_0_only=True with upstream's I/O; unlike 1.6.5 it"
+        " also consolidates the optimizer state on rank 0 (fork/fsdp-consolidated-optimizer-state)",
+        _GATHERED,
         _UPSTREAM_IO,
     ),
-    BenchConfig("fork", "the fork's defaults: rank-0 state dict, streaming save, mmap-shared resume"),
-    BenchConfig("upstream-adam", "upstream, with Adam", _UPSTREAM, _UPSTREAM_IO, optimizer="adam"),
-    BenchConfig("fork-adam", "the fork's defaults, with Adam", optimizer="adam"),
+    BenchConfig("fork", _FORK_GATHERED, _GATHERED),
+    BenchConfig("fork-stream", _FORK_STREAMED, _STREAMED),
+    BenchConfig("upstream-adam", f"{_PURE_1_6_5}; Adam", build="compat", optimizer="adam"),
+    BenchConfig("fork-adam", f"{_FORK_GATHERED}; Adam", _GATHERED, optimizer="adam"),
+    BenchConfig("fork-stream-adam", f"{_FORK_STREAMED}; Adam", _STREAMED, optimizer="adam"),
 ]
 
 

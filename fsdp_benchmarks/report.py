@@ -1,49 +1,64 @@
-"""Turn per-rank results into runs (the JSON schema), a table for stdout, and a plot."""
+"""Turn per-rank results into runs (the JSON schema), a table for stdout, and a plot.
+
+Memory figures (see :mod:`fsdp_harness.memory_sampler`): **save** is anonymous memory plus mapped file pages
+(``*_anon_file_mb``), the figure the save goal is stated in; **resume** is anonymous memory (``*_peak_extra_mb``),
+with the mapped file pages beside it (``*_file_mb``): they are page cache of the one checkpoint file, shared by the
+ranks of a node, so the node figure for them is the largest rank's, not a sum. Anonymous save figures stay in the
+JSON too. ``node_save_x_s`` / ``node_load_x_s`` are the node save (anon + file) and resume (anon) figures in S.
+"""
 import json
 from pathlib import Path
 from typing import Any, Dict, List
 
+#: What a run keeps per rank from ``rank<N>.json``'s ``save`` / ``load`` measurements, as ``save_<field>`` and
+#: ``load_<field>`` (MiB, seconds, Hz); ``cuda_max_allocated_mb`` exists in GPU mode only.
+_RANK_FIELDS = ("peak_extra_mb", "peak_extra_anon_file_mb", "peak_extra_file_mb", "seconds", "sample_hz",
+                "cuda_max_allocated_mb")
 
-def make_run(config: str, world_size: int, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One entry of ``{"runs": [...]}`` from the ``rank<N>.json`` results of one configuration and world size."""
+
+def _rank_row(r: Dict[str, Any]) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"rank": r["rank"]}
+    for phase, prefix in (("save", "save_"), ("load", "load_")):
+        for field in _RANK_FIELDS:
+            if field in r[phase]:
+                row[prefix + field] = r[phase][field]
+    return row
+
+
+def make_run(config: str, world_size: int, ranks: List[Dict[str, Any]], complete: bool = True) -> Dict[str, Any]:
+    """One entry of ``{"runs": [...]}`` from the ``rank<N>.json`` results of one configuration and world size;
+    ``complete``: whether the configuration's checkpoint is meant to hold the whole optimizer state."""
     ranks = sorted(ranks, key=lambda r: r["rank"])
     rank0 = ranks[0]
     size = rank0["state_dict_mb"]
-    rows = [
-        {
-            "rank": r["rank"],
-            "save_peak_extra_mb": r["save"]["peak_extra_mb"],
-            "save_seconds": r["save"]["seconds"],
-            "load_peak_extra_mb": r["load"]["peak_extra_mb"],
-            "load_seconds": r["load"]["seconds"],
-            "save_peak_extra_rss_mb": r["save"]["peak_extra_rss_mb"],
-            "load_peak_extra_rss_mb": r["load"]["peak_extra_rss_mb"],
-            "save_sample_hz": r["save"]["sample_hz"],
-            "load_sample_hz": r["load"]["sample_hz"],
-        }
-        for r in ranks
-    ]
-    node_save = sum(r["save_peak_extra_mb"] for r in rows)
+    rows = [_rank_row(r) for r in ranks]
+    node_save = sum(r["save_peak_extra_anon_file_mb"] for r in rows)
     node_load = sum(r["load_peak_extra_mb"] for r in rows)
-    return {
+    run = {
         "config": config,
         "world_size": world_size,
         "state_dict_mb": size,
         "ranks": rows,
-        "node_save_peak_extra_mb": node_save,
+        "node_save_peak_extra_anon_file_mb": node_save,
+        "node_save_peak_extra_mb": sum(r["save_peak_extra_mb"] for r in rows),
         "node_load_peak_extra_mb": node_load,
-        "checkpoint_mb": rank0["checkpoint_mb"],
-        "ok": bool(rank0["ok"]),
-        "node_save_peak_extra_rss_mb": sum(r["save_peak_extra_rss_mb"] for r in rows),
-        "node_load_peak_extra_rss_mb": sum(r["load_peak_extra_rss_mb"] for r in rows),
+        "node_load_peak_extra_file_mb": max(r["load_peak_extra_file_mb"] for r in rows),
         "node_save_x_s": node_save / size,
         "node_load_x_s": node_load / size,
+        "checkpoint_mb": rank0["checkpoint_mb"],
+        "complete_checkpoint": complete,
+        "optimizer_state_complete": rank0["save_check"]["optimizer_state_complete"],
+        "ok": bool(rank0["ok"]),
         "units": rank0["units"],
         "unit_mb": rank0["unit_mb"],
         "accelerator": rank0["accelerator"],
         "memory_source": rank0["memory_source"],
+        "lightning_version": rank0["lightning_version"],
         "mismatched": rank0["save_check"]["mismatched"] + rank0["load_check"]["mismatched"],
     }
+    if "stream_check" in rank0:
+        run["stream_check"] = {k: rank0["stream_check"][k] for k in ("compared", "mismatched")}
+    return run
 
 
 def failed_run(config: str, world_size: int, size_mb: float, reason: str) -> Dict[str, Any]:
@@ -52,6 +67,7 @@ def failed_run(config: str, world_size: int, size_mb: float, reason: str) -> Dic
         "world_size": world_size,
         "state_dict_mb": size_mb,
         "ranks": [],
+        "node_save_peak_extra_anon_file_mb": None,
         "node_save_peak_extra_mb": None,
         "node_load_peak_extra_mb": None,
         "checkpoint_mb": None,
@@ -60,60 +76,75 @@ def failed_run(config: str, world_size: int, size_mb: float, reason: str) -> Dic
     }
 
 
-def _fmt(value: Any, size: float) -> str:
-    if value is None:
-        return "-"
-    return f"{value:9.1f} ({value / size:5.2f}x)"
+def _x(value: float, size: float) -> str:
+    return f"{value:.1f} ({value / size:.2f}x)"
+
+
+def _gpu(runs: List[Dict[str, Any]]) -> bool:
+    return any("save_cuda_max_allocated_mb" in r for run in runs for r in run["ranks"])
+
+
+def _optimizer_state(run: Dict[str, Any]) -> str:
+    if run["optimizer_state_complete"]:
+        return "complete"
+    return "INCOMPLETE" if not run["complete_checkpoint"] else "MISSING"
+
+
+def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
+    """The table's cells: a row per rank and a node row per run (the node's mapped-file figure is the largest
+    rank's, as the ranks share those pages)."""
+    gpu = _gpu(runs)
+    rows = []
+    for run in runs:
+        size = run["state_dict_mb"]
+        head = [run["config"], str(run["world_size"])]
+        if not run["ranks"]:
+            rows.append(head + ["FAILED: " + run.get("error", "")])
+            continue
+        for r in run["ranks"]:
+            cells = [str(r["rank"]), _x(r["save_peak_extra_anon_file_mb"], size), f"{r['save_peak_extra_mb']:.1f}",
+                     f"{r['save_seconds']:.2f}", _x(r["load_peak_extra_mb"], size), f"{r['load_peak_extra_file_mb']:.1f}",
+                     f"{r['load_seconds']:.2f}"]
+            if gpu:
+                cells += [f"{r.get('save_cuda_max_allocated_mb', 0):.1f}", f"{r.get('load_cuda_max_allocated_mb', 0):.1f}"]
+            rows.append(head + cells + ["", "", ""])
+        stream = run.get("stream_check")
+        ok = ("yes" if run["ok"] else "NO") + (f", {stream['compared']} tensors = gathered" if stream else "")
+        cells = ["node", _x(run["node_save_peak_extra_anon_file_mb"], size), f"{run['node_save_peak_extra_mb']:.1f}", "",
+                 _x(run["node_load_peak_extra_mb"], size), f"{run['node_load_peak_extra_file_mb']:.1f}", ""]
+        if gpu:
+            cells += ["", ""]
+        rows.append(head + cells + [f"{run['checkpoint_mb']:.1f}", _optimizer_state(run), ok])
+    return rows
+
+
+def _header(runs: List[Dict[str, Any]]) -> List[str]:
+    gpu = ["GPU save MiB", "GPU resume MiB"] if _gpu(runs) else []
+    return ["config", "N", "rank", "save anon+file MiB (xS)", "anon", "save s", "resume anon MiB (xS)", "mapped file",
+            "resume s", *gpu, "ckpt MiB", "optimizer state", "ok"]
 
 
 def table(runs: List[Dict[str, Any]]) -> str:
-    """Per-rank rows and a node total per run: anonymous-memory peaks in MiB and as x S, RSS beside them."""
-    header = (
-        f"{'config':<10} {'N':>2} {'rank':>5} | {'save extra MiB (xS)':>19} {'RSS':>7} {'s':>6} |"
-        f" {'resume extra MiB (xS)':>21} {'RSS':>7} {'s':>6} | {'ckpt MiB':>8} ok"
-    )
-    lines = [header, "-" * len(header)]
-    for run in runs:
-        size = run["state_dict_mb"]
-        if not run["ranks"]:
-            lines.append(f"{run['config']:<10} {run['world_size']:>2} FAILED: {run.get('error', '')}")
-            continue
-        for r in run["ranks"]:
-            lines.append(
-                f"{run['config']:<10} {run['world_size']:>2} {r['rank']:>5} |"
-                f" {_fmt(r['save_peak_extra_mb'], size):>19} {r['save_peak_extra_rss_mb']:7.1f} {r['save_seconds']:6.2f} |"
-                f" {_fmt(r['load_peak_extra_mb'], size):>21} {r['load_peak_extra_rss_mb']:7.1f} {r['load_seconds']:6.2f} |"
-                f" {'':>8}"
-            )
-        lines.append(
-            f"{run['config']:<10} {run['world_size']:>2} {'node':>5} |"
-            f" {_fmt(run['node_save_peak_extra_mb'], size):>19} {run['node_save_peak_extra_rss_mb']:7.1f} {'':>6} |"
-            f" {_fmt(run['node_load_peak_extra_mb'], size):>21} {run['node_load_peak_extra_rss_mb']:7.1f} {'':>6} |"
-            f" {run['checkpoint_mb']:8.1f} {'yes' if run['ok'] else 'NO'}"
-        )
-        lines.append("")
+    """Per-rank rows and a node total per run, aligned for stdout."""
+    header = _header(runs)
+    rows = _rows(runs)
+    widths = [max([len(header[i])] + [len(row[i]) for row in rows if len(row) == len(header)]) for i in range(len(header))]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines.append("-" * len(lines[0]))
+    for row in rows:
+        lines.append(("  ".join(c.rjust(w) for c, w in zip(row, widths)) if len(row) == len(header) else "  ".join(row)).rstrip())
+        if row[2] == "node" or len(row) != len(header):
+            lines.append("")
     return "\n".join(lines)
 
 
 def markdown_table(runs: List[Dict[str, Any]]) -> str:
-    lines = [
-        "| config | N | rank | save extra MiB | x S | save s | resume extra MiB | x S | resume s | checkpoint MiB | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for run in runs:
-        size = run["state_dict_mb"]
-        for r in run["ranks"]:
-            lines.append(
-                f"| {run['config']} | {run['world_size']} | {r['rank']} | {r['save_peak_extra_mb']:.1f} |"
-                f" {r['save_peak_extra_mb'] / size:.2f} | {r['save_seconds']:.2f} | {r['load_peak_extra_mb']:.1f} |"
-                f" {r['load_peak_extra_mb'] / size:.2f} | {r['load_seconds']:.2f} | | |"
-            )
-        if run["ranks"]:
-            lines.append(
-                f"| **{run['config']}** | **{run['world_size']}** | **node** | **{run['node_save_peak_extra_mb']:.1f}** |"
-                f" **{run['node_save_peak_extra_mb'] / size:.2f}** | | **{run['node_load_peak_extra_mb']:.1f}** |"
-                f" **{run['node_load_peak_extra_mb'] / size:.2f}** | | {run['checkpoint_mb']:.1f} | {run['ok']} |"
-            )
+    header = _header(runs)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in _rows(runs):
+        if len(row) == len(header) and row[2] == "node":
+            row = [f"**{c}**" if c else c for c in row]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -123,7 +154,8 @@ def write_json(runs: List[Dict[str, Any]], path: Path, meta: Dict[str, Any]) -> 
 
 
 def plot(runs: List[Dict[str, Any]], path: Path, title: str = "") -> None:
-    """Grouped bars: node save and resume extra memory per configuration, one group per world size; line at 1 x S."""
+    """Node extra memory against N, a line per configuration: save (anon + file) and resume (anon) panels, y in S,
+    a dashed line at 1 x S."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,38 +164,40 @@ def plot(runs: List[Dict[str, Any]], path: Path, title: str = "") -> None:
     runs = [r for r in runs if r["ranks"]]
     sizes = sorted({r["world_size"] for r in runs})
     configs = list(dict.fromkeys(r["config"] for r in runs))
-    bars = [(c, kind) for c in configs for kind in ("save", "resume")]
-    width = 0.8 / max(len(bars), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(bars) * len(sizes) + 2), 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (config, kind) in enumerate(bars):
-        key = "node_save_peak_extra_mb" if kind == "save" else "node_load_peak_extra_mb"
-        xs, ys = [], []
-        for j, n in enumerate(sizes):
-            match = [r for r in runs if r["config"] == config and r["world_size"] == n]
-            if match:
-                xs.append(j - 0.4 + width * (i + 0.5))
-                ys.append(match[0][key])
-        color = colors[configs.index(config) % len(colors)]
-        ax.bar(xs, ys, width, color=color, hatch="" if kind == "save" else "//", alpha=1.0 if kind == "save" else 0.55,
-               edgecolor="black", linewidth=0.5, label=f"{config}: {kind}")
-        for x, y in zip(xs, ys):
-            ax.annotate(f"{y:.0f}", (x, y), ha="center", va="bottom", fontsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), sharex=True)
+    panels = (("save: anonymous + mapped file pages", "node_save_x_s"), ("resume: anonymous", "node_load_x_s"))
+    for ax, (label, key) in zip(axes, panels):
+        for config in configs:
+            points = sorted((r["world_size"], r[key]) for r in runs if r["config"] == config)
+            incomplete = any(not r["complete_checkpoint"] for r in runs if r["config"] == config)
+            ax.plot(*zip(*points), marker="o", linestyle=":" if incomplete else "-",
+                    label=config + (" (incomplete checkpoint)" if incomplete else ""))
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="1 x S")
+        ax.set_xticks(sizes)
+        ax.set_xlabel("N (ranks on the node)")
+        ax.set_ylabel("node extra memory (x S)")
+        ax.set_title(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     size_mb = runs[0]["state_dict_mb"] if runs else 0
-    ax.axhline(size_mb, color="red", linestyle="--", linewidth=1, label=f"1 x S = {size_mb:.0f} MiB")
-    ax.set_xticks(range(len(sizes)))
-    ax.set_xticklabels([f"N = {n}" for n in sizes])
-    ax.set_ylabel("node extra anonymous memory (MiB)")
-    ax.set_title(title or "Extra host memory per node during save_checkpoint and resume")
-    ax.legend(fontsize=8, ncol=2)
+    fig.suptitle(title or f"Extra host memory per node during save_checkpoint and resume, S = {size_mb:.0f} MiB")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
 if __name__ == "__main__":
-    # ``python -m fsdp_benchmarks.report RESULT.json``: the markdown table used in docs/checkpoint_memory.md.
-    import sys
+    # ``python -m fsdp_benchmarks.report RESULT.json [--plot OUT.png]``: the markdown table used in
+    # docs/checkpoint_memory.md, and the plot drawn again from saved results.
+    import argparse
 
-    print(markdown_table(json.loads(Path(sys.argv[1]).read_text())["runs"]))
+    parser = argparse.ArgumentParser(prog="python -m fsdp_benchmarks.report")
+    parser.add_argument("result", type=Path, help="a --json file of the benchmark")
+    parser.add_argument("--plot", type=Path, help="also draw the plot into this PNG")
+    args = parser.parse_args()
+    saved = json.loads(args.result.read_text())
+    print(markdown_table(saved["runs"]))
+    if args.plot:
+        plot(saved["runs"], args.plot)

@@ -1,8 +1,8 @@
-"""Upstream 1.6.5's checkpoint I/O, for the benchmark's baseline configurations only.
+"""Upstream 1.6.5's checkpoint I/O on the fork's build, for the benchmark's ``rank0-only`` configuration.
 
-The fork's ``TorchCheckpointIO`` streams saves into a temporary file and memory-maps local files on load. To show
-upstream behaviour side by side in the same run, the ``upstream`` and ``rank0-only`` configurations plug in this
-``CheckpointIO``, which does what 1.6.5 did: serialise the whole checkpoint into an in-memory buffer, write that
+The fork's ``TorchCheckpointIO`` streams saves into a temporary file and memory-maps local files on load. To show the
+upstream PR with upstream's I/O on the fork's build, ``rank0-only`` plugs in this ``CheckpointIO``, which does what
+1.6.5 did (the ``upstream`` configurations run 1.6.5 itself and need none): serialise the whole checkpoint into an in-memory buffer, write that
 buffer out in one go, and read files back with a plain ``torch.load`` into private memory.
 """
 import inspect

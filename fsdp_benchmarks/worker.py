@@ -5,9 +5,15 @@ from the repository root. Every rank:
 
 1. fits the model for one short epoch (so the optimizer has state) with the configuration's strategy;
 2. **save**: ``trainer.save_checkpoint(path)`` on all ranks (it is collective), measured by :class:`PeakMemory`
-   from just before the call (baseline after ``malloc_trim``) until it returns;
-3. checks the file: all ranks gather the full parameters (collective), rank 0 loads the file and compares every
-   model tensor exactly;
+   from just before the call (baseline after ``malloc_trim``) until it returns (in GPU mode also the CUDA
+   allocator's peak, reset just before);
+3. checks the file: all ranks gather the full parameters (collective), rank 0 maps the file and compares every
+   model tensor exactly, and counts the optimizer-state values in it against a full optimizer state (one value per
+   parameter for SGD's momentum, two for Adam's moments). A configuration whose checkpoint is incomplete by design
+   (1.6.5 saves rank 0's optimizer shard) reports the count but is not failed for it. Configurations that stream
+   the save (``stream_checkpoint=True``) then save again, unmeasured, with ``strategy.stream_checkpoint = False``
+   to a second file, and rank 0 compares every tensor of the model state dict and of ``optimizer_states`` between
+   the two files (:mod:`fsdp_harness.tensor_compare`);
 4. **resume**: a fresh model and a fresh Trainer run ``fit(ckpt_path=path)``. Measured from the moment the
    strategy starts reading the checkpoint (``strategy.load_checkpoint``; baseline taken right there) until
    ``on_train_start``, i.e. after every restore (model, loops, optimizer, schedulers) and ``resume_end``, which drops
@@ -15,7 +21,7 @@ from the repository root. Every rank:
    the checkpoint on top of what the rank held just before, whether Lightning restores before sharding (upstream
    1.6.5) or after. The wall time covers the same window (with upstream's order it includes wrapping the model).
    Training stops at ``on_train_start``; the resumed parameters are gathered and compared with the file again;
-5. writes ``<out>/rank<N>.json`` (or, when it raises, ``<out>/rank<N>.error``; see :mod:`fsdp_harness.scenario`).
+5. writes ``<out>/rank<N>.json`` (with the ``pytorch_lightning`` it imported, so the runner can check the build) (or, when it raises, ``<out>/rank<N>.error``; see :mod:`fsdp_harness.scenario`).
 """
 import argparse
 import os
@@ -24,12 +30,17 @@ from typing import Any, Dict
 
 import torch
 
+import pytorch_lightning
 from fsdp_benchmarks.configs import by_name
 from fsdp_benchmarks.model import CheckpointModel, state_dict_mb
 from fsdp_harness.memory_sampler import MIB, PeakMemory, memory_source
 from fsdp_harness.models import full_parameters
 from fsdp_harness.scenario import main
+from fsdp_harness.tensor_compare import compare_tensors, iter_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
+
+# Optimizer-state values per model parameter in a complete checkpoint.
+STATE_SLOTS = {"sgd": 1, "sgd-plain": 0, "adam": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,27 +89,74 @@ def make_trainer(args: argparse.Namespace, **overrides: Any) -> Trainer:
 
 
 def compare_with_file(model: torch.nn.Module, path: Path, rank: int) -> Dict[str, Any]:
-    """Collective: gather the full parameters on all ranks; rank 0 compares them with the file."""
+    """Collective: gather the full parameters on all ranks; rank 0 compares them with the file and counts the
+    optimizer-state values in it (0-d tensors, Adam's ``step``, not counted)."""
     full = full_parameters(model)
     if rank != 0:
         del full
         return {}
-    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    # Memory-mapped: the check runs outside the measured windows, but need not hold a second copy of the file.
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    state = checkpoint["state_dict"]
     mismatched = sorted(k for k in full if k not in state or not torch.equal(state[k], full[k]))
     extra = sorted(k for k in state if k not in full)
-    return {"checked_tensors": len(full), "mismatched": mismatched, "unexpected": extra, "ok": not mismatched and not extra}
+    return {
+        "checked_tensors": len(full),
+        "mismatched": mismatched,
+        "unexpected": extra,
+        "ok": not mismatched and not extra,
+        "parameters": sum(t.numel() for t in full.values()),
+        "optimizer_state_values": sum(t.numel() for _, t in iter_tensors(checkpoint["optimizer_states"]) if t.dim()),
+    }
+
+
+def check_saved_file(model: torch.nn.Module, path: Path, rank: int, args: argparse.Namespace) -> Dict[str, Any]:
+    """Collective: :func:`compare_with_file`, plus whether the optimizer state is whole. Only configurations whose
+    checkpoint should be complete fail for a partial one; 1.6.5's rank-0 shard is reported, not failed."""
+    check = compare_with_file(model, path, rank)
+    if rank == 0:
+        expected = check["parameters"] * STATE_SLOTS[args.optimizer]
+        check["optimizer_state_expected"] = expected
+        check["optimizer_state_complete"] = check["optimizer_state_values"] == expected
+        if by_name(args.config).complete:
+            check["ok"] = check["ok"] and check["optimizer_state_complete"]
+    return check
+
+
+def verify_streamed_file(trainer: Trainer, path: Path, rank: int) -> Dict[str, Any]:
+    """Collective: save again with the gathered path (unmeasured) and compare every tensor with the streamed file."""
+    gathered = path.with_suffix(".gathered.ckpt")
+    strategy = trainer.strategy
+    strategy.stream_checkpoint = False
+    try:
+        trainer.save_checkpoint(gathered)
+    finally:
+        strategy.stream_checkpoint = True
+    strategy.barrier("after-gathered-save")
+    check: Dict[str, Any] = {}
+    if rank == 0:
+        # Memory-mapped, so the comparison holds no extra copy of either file.
+        files = [torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in (path, gathered)]
+        check = compare_tensors(*({k: f[k] for k in ("state_dict", "optimizer_states")} for f in files))
+        del files
+        gathered.unlink()
+    strategy.barrier("after-stream-check")
+    return check
 
 
 class ResumeProbe(Callback):
     """Starts the measurement when the strategy begins reading the checkpoint; stops it at ``on_train_start``."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool) -> None:
         self.meter = PeakMemory()
+        self.cuda = cuda
         self.result: Dict[str, Any] = {}
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: Any = None) -> None:
         # ``setup`` runs before any restore; wrap this strategy instance's ``load_checkpoint`` only.
         strategy = trainer.strategy
+        if self.cuda:
+            self.meter.cuda_device = strategy.root_device
         original = strategy.load_checkpoint
         meter = self.meter
 
@@ -124,18 +182,20 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     rank = trainer.global_rank
     width = model.width
 
+    cuda = args.accelerator == "gpu"
     trainer.strategy.barrier("before-save")
-    with PeakMemory() as save:
+    with PeakMemory(cuda_device=trainer.strategy.root_device if cuda else None) as save:
         trainer.save_checkpoint(path)
     trainer.strategy.barrier("after-save")
-    save_check = compare_with_file(model, path, rank)
+    save_check = check_saved_file(model, path, rank, args)
     checkpoint_mb = os.path.getsize(path) / MIB if rank == 0 else None
+    stream_check = verify_streamed_file(trainer, path, rank) if by_name(args.config).streams else None
     trainer.strategy.barrier("after-check")
     del trainer, model
 
     # Resume in a fresh Trainer with a fresh model (same seeds), through the public API.
     model = make_model(args)
-    probe = ResumeProbe()
+    probe = ResumeProbe(cuda)
     trainer = make_trainer(args, max_epochs=2, callbacks=[probe])
     trainer.fit(model, ckpt_path=str(path))
     if not probe.result:
@@ -154,6 +214,8 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
         "state_dict_mb": state_dict_mb(width, args.units),
         "memory_source": memory_source(),
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "lightning_version": pytorch_lightning.__version__,
+        "lightning_file": pytorch_lightning.__file__,
         "save": save.result(),
         "load": probe.result,
     }
@@ -162,8 +224,10 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
             checkpoint_mb=checkpoint_mb,
             save_check=save_check,
             load_check=load_check,
-            ok=bool(save_check["ok"] and load_check["ok"]),
+            ok=bool(save_check["ok"] and load_check["ok"] and (stream_check is None or stream_check["ok"])),
         )
+        if stream_check is not None:
+            result["stream_check"] = stream_check
     return result
 
 

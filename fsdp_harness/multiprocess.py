@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,13 +37,21 @@ def run_module(
     timeout: float = 120,
     grace: float = 15,
     env: Optional[Dict[str, str]] = None,
+    path_first: Sequence[Path] = (),
 ) -> ScriptResult:
     """Run ``python -m module *args`` from the repository root; kill every rank on timeout or after rank 0 exits.
 
-    ``grace`` is how long the other ranks may outlive rank 0 before they are killed.
+    ``grace`` is how long the other ranks may outlive rank 0 before they are killed. ``path_first``: folders the
+    ranks import from before anything else, e.g. another build of ``pytorch_lightning``. ``python -m`` would put the
+    working directory (the repository root, which holds the fork's own ``pytorch_lightning/``) ahead of them, so
+    then the ranks run with ``PYTHONSAFEPATH=1`` (which Lightning's launcher passes on to ranks >= 1 with the rest
+    of the environment) and find the repository root on ``PYTHONPATH``, after those folders.
     """
     full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    front = [str(Path(p).resolve()) for p in path_first]
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [*front, str(ROOT), full_env.get("PYTHONPATH")]))
+    if front:
+        full_env["PYTHONSAFEPATH"] = "1"
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
     # Ranks >= 1 inherit these descriptors; a file (not a pipe) never blocks them and needs no reader thread.

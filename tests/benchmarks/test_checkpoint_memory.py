@@ -2,7 +2,12 @@
 (``python -m fsdp_benchmarks.checkpoint_memory`` or ``python fsdp_benchmarks/checkpoint_memory.py``), never imported: the tests and the benchmarks share only
 ``fsdp_harness``. At a tiny size it completes, the JSON has the documented schema, every configuration's checkpoint
 is correct, and the plot is written. Memory figures are measured by the benchmark itself, never asserted here (they
-are too noisy for a timed unit test)."""
+are too noisy for a timed unit test).
+
+The smoke run takes five of the seven configurations, to keep its time on 2 cores: ``fork-stream-adam`` checks the
+streamed file against a gathered save with Adam (the ``fork-adam`` path) and differs from ``fork-stream`` by the
+optimizer only. The fork-build configurations pass ``stream_checkpoint`` to the strategy, so they need a build of
+the fork that has that argument."""
 import json
 import os
 import subprocess
@@ -13,12 +18,19 @@ import pytest
 from fsdp_harness.multiprocess import ROOT
 
 MODULE = "fsdp_benchmarks.checkpoint_memory"
-CONFIGS = ["upstream", "rank0-only", "fork", "upstream-adam", "fork-adam"]
+CONFIGS = ["upstream", "rank0-only", "fork", "fork-stream", "upstream-adam", "fork-adam", "fork-stream-adam"]
+SMOKE_CONFIGS = ["upstream", "rank0-only", "fork", "upstream-adam", "fork-stream-adam"]
+INCOMPLETE = {"upstream", "upstream-adam"}  # pure 1.6.5: rank 0's optimizer shard only
+STREAMED = {"fork-stream", "fork-stream-adam"}
 RUN_KEYS = {
-    "config", "world_size", "state_dict_mb", "ranks", "node_save_peak_extra_mb", "node_load_peak_extra_mb",
-    "checkpoint_mb", "ok",
+    "config", "world_size", "state_dict_mb", "ranks", "node_save_peak_extra_anon_file_mb", "node_save_peak_extra_mb",
+    "node_load_peak_extra_mb", "node_load_peak_extra_file_mb", "node_save_x_s", "node_load_x_s", "checkpoint_mb",
+    "complete_checkpoint", "optimizer_state_complete", "lightning_version", "ok",
 }
-RANK_KEYS = {"rank", "save_peak_extra_mb", "save_seconds", "load_peak_extra_mb", "load_seconds"}
+RANK_KEYS = {
+    "rank", "save_peak_extra_mb", "save_peak_extra_anon_file_mb", "save_peak_extra_file_mb", "save_seconds",
+    "load_peak_extra_mb", "load_peak_extra_anon_file_mb", "load_peak_extra_file_mb", "load_seconds",
+}
 
 
 def _environment():
@@ -37,17 +49,26 @@ def test_checkpoint_memory_benchmark_smoke(tmp_path):
     json_path, plot_path = tmp_path / "result.json", tmp_path / "result.png"
     proc = run_benchmark(
         "--devices", "2", "--size-mb", "8", "--units", "4", "--accelerator", "cpu", "--json", str(json_path),
-        "--plot", str(plot_path), "--out", str(tmp_path / "out"), "--timeout", "180", timeout=400,
+        "--plot", str(plot_path), "--out", str(tmp_path / "out"), "--timeout", "180", "--configs", ",".join(SMOKE_CONFIGS),
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert "node" in proc.stdout  # the table
 
     result = json.loads(json_path.read_text())
     runs = result["runs"]
-    assert [run["config"] for run in runs] == result["meta"]["configs"] == CONFIGS
+    assert [run["config"] for run in runs] == result["meta"]["configs"] == SMOKE_CONFIGS
+    assert set(result["meta"]["builds"]) == {"compat", "fork"}
+    assert result["meta"]["builds"]["compat"].endswith(".compat")
     for run in runs:
         assert RUN_KEYS <= set(run), run
         assert run["ok"] is True
+        # 1.6.5 runs on its own build and writes rank 0's optimizer shard; everything else the whole state
+        assert run["lightning_version"].endswith(".compat") == (run["config"] in INCOMPLETE)
+        assert run["complete_checkpoint"] is run["optimizer_state_complete"] is (run["config"] not in INCOMPLETE)
+        assert "INCOMPLETE" in result["meta"]["configurations"][run["config"]].upper() or run["complete_checkpoint"]
+        if run["config"] in STREAMED:
+            assert run["stream_check"]["compared"] > 0 and run["stream_check"]["mismatched"] == []
         assert run["world_size"] == 2
         assert 7 < run["state_dict_mb"] <= 8
         assert run["checkpoint_mb"] >= run["state_dict_mb"]
@@ -56,6 +77,9 @@ def test_checkpoint_memory_benchmark_smoke(tmp_path):
             assert RANK_KEYS <= set(rank), rank
             assert all(isinstance(rank[k], float) for k in RANK_KEYS - {"rank"})
         assert run["node_save_peak_extra_mb"] == pytest.approx(sum(r["save_peak_extra_mb"] for r in run["ranks"]))
+        assert run["node_save_peak_extra_anon_file_mb"] == pytest.approx(
+            sum(r["save_peak_extra_anon_file_mb"] for r in run["ranks"])
+        )
         assert run["node_load_peak_extra_mb"] == pytest.approx(sum(r["load_peak_extra_mb"] for r in run["ranks"]))
     assert plot_path.stat().st_size > 1000
     # --out keeps rank results and logs, but not the S-sized checkpoints
@@ -76,3 +100,39 @@ def test_unknown_configuration_is_rejected():
     proc = run_benchmark("--configs", "nope")
     assert proc.returncode == 2, proc.stdout
     assert "unknown configuration(s) ['nope']; known: " + ", ".join(CONFIGS) in proc.stdout
+
+
+def _synthetic_run(config, world_size, save_x, load_x, complete=True):
+    """A run as the benchmark's JSON has it, with made-up figures in units of S."""
+    size = 8.0
+    rank = {k: 1.0 for k in RANK_KEYS} | {"rank": 0}
+    return {
+        "config": config, "world_size": world_size, "state_dict_mb": size, "ranks": [rank],
+        "node_save_peak_extra_anon_file_mb": save_x * size, "node_save_peak_extra_mb": save_x * size,
+        "node_load_peak_extra_mb": load_x * size, "node_load_peak_extra_file_mb": 0.0, "node_save_x_s": save_x,
+        "node_load_x_s": load_x, "checkpoint_mb": 2 * size, "complete_checkpoint": complete,
+        "optimizer_state_complete": complete, "ok": True,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_plot_from_saved_results(tmp_path):
+    """``python -m fsdp_benchmarks.report RESULT.json --plot OUT.png`` draws a readable two-panel PNG (save, resume)
+    from a results file, with one world size or several, and a failed run left out."""
+    import matplotlib.image
+
+    runs = [
+        _synthetic_run("upstream", 2, 3.6, 3.5, complete=False), _synthetic_run("upstream", 4, 5.2, 7.0, complete=False),
+        _synthetic_run("fork", 2, 2.1, 1.0), _synthetic_run("fork", 4, 2.4, 1.0),
+        {"config": "fork-stream", "world_size": 2, "state_dict_mb": 8.0, "ranks": [], "ok": False, "error": "x"},
+    ]
+    result = tmp_path / "result.json"
+    for name, selected in (("two.png", runs), ("one.png", runs[:1])):
+        result.write_text(json.dumps({"runs": selected, "meta": {}}))
+        plot_path = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "fsdp_benchmarks.report", str(result), "--plot", str(plot_path)],
+                              cwd=ROOT, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=100)
+        assert proc.returncode == 0, proc.stdout
+        height, width, _ = matplotlib.image.imread(plot_path).shape
+        assert width > 1.5 * height > 600  # two panels side by side, at a readable resolution

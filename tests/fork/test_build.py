@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fork_tools import upstream
-from fork_tools.materialize import PACKAGE, VERSION_FILE, materialize
+from fork_tools.materialize import PACKAGE, VERSION_FILE, fork_version, materialize
 from fork_tools.refresh import check, refresh
 from fork_tools.revision import read_revision
 from fork_tools.series import read_series
@@ -30,6 +30,21 @@ def test_two_clean_builds_are_byte_identical(offline_wheel, tmp_path):
     assert [path for path in a if a[path] != b[path]] == []
     assert f"+fsdp.{read_revision()}" in (first / PACKAGE / VERSION_FILE).read_text()
 
+
+
+def test_compat_only_build_is_upstream_on_todays_stack(offline_wheel, tmp_path):
+    """``groups=("compat",)`` (the benchmark's pure 1.6.5 baseline) applies the compat patches only, says so in its
+    version, and a second call finds the tree up to date."""
+    root = tmp_path / "compat"
+    version = materialize(root=root, groups=("compat",))
+    assert version == fork_version(read_pin()) + ".compat"
+    package = root / PACKAGE
+    assert version in (package / VERSION_FILE).read_text()
+    assert "state_dict_on_rank_0_only" not in (package / "strategies" / "fully_sharded.py").read_text()
+    assert "_fork_version" in (package / "__about__.py").read_text()  # compat/fork-version.patch is there
+    stamp = (package / ".fork-stamp.json").stat().st_mtime_ns
+    assert materialize(root=root, groups=("compat",)) == version
+    assert (package / ".fork-stamp.json").stat().st_mtime_ns == stamp
 
 def test_corrupted_patch_names_patch_and_hunk(offline_wheel, patch_copy, tmp_path):
     victim = patch_copy / "compat" / "numpy2-inf.patch"
