@@ -22,7 +22,12 @@ def test_pending_tensors_are_written_in_place(tmp_path):
     views = [flat[:4].view(2, 2), flat[4:]]  # views of one pending storage, as the optimizer state's
     real = torch.arange(6.0)
     checkpoint = {
-        "state_dict": {"weight": weight, "real": real, "real_view": real[2:4], "bf16": torch.ones(3, dtype=torch.bfloat16)},
+        "state_dict": {
+            "weight": weight,
+            "real": real,
+            "real_view": real[2:4],
+            "bf16": torch.ones(3, dtype=torch.bfloat16),
+        },
         "optimizer_states": [{"state": {0: {"momentum": views[0]}, 1: {"momentum": views[1]}}, "step": 3}],
         "hyper_parameters": {"lr": 0.1},
     }

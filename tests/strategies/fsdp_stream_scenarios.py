@@ -17,6 +17,7 @@ from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning.utilities.cloud_io import _StreamedCheckpointFile
 from pytorch_lightning.utilities.exceptions import CheckpointError
 
 
@@ -118,15 +119,16 @@ def streamed_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
                 result[f"first_value{suffix}"] = [streamed["first_value"], gathered["first_value"]]
             result[f"differences{suffix}"] = differences(streamed, gathered)
             result[f"tensors{suffix}"] = count_tensors(gathered)
-            result[f"weights_only_loads{suffix}"] = len(torch.load(args.out / f"streamed{suffix}.ckpt", weights_only=True)["state_dict"])
+            safe = torch.load(args.out / f"streamed{suffix}.ckpt", weights_only=True)
+            result[f"weights_only_loads{suffix}"] = len(safe["state_dict"])
     result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
     return result
 
 
 def fails_while_streaming(args: argparse.Namespace) -> Dict[str, Any]:
-    """Save a good checkpoint, then fail the next save of the same path mid-stream on ``--fail-rank``: on global
-    rank 0 the disk fills up after the file's structure was written; on another rank, moving a unit's optimizer
-    state to the gather device fails. Then save again, successfully."""
+    """Save a good checkpoint, then fail the next save of the same path on ``--fail-rank``: on global rank 0 the
+    disk fills up while the file's structure is written (``--fail-at skeleton``) or while the units are written
+    (``gather``); on another rank, moving a unit's optimizer state to the gather device fails. Then save again."""
     seed_everything(4)
     model = make_model(args)
     trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=strategy(args), max_epochs=1))
@@ -136,15 +138,21 @@ def fails_while_streaming(args: argparse.Namespace) -> Dict[str, Any]:
     before = path.read_bytes() if trainer.global_rank == 0 else b""
     result: Dict[str, Any] = {"rank": trainer.global_rank}
     if args.fail_rank == 0:
-        real_pwrite, calls = os.pwrite, []
+        # the disk fills up while the file's structure is written, or later, at the second unit's parameter
+        method = "write_skeleton" if args.fail_at == "skeleton" else "write"
+        original, calls = getattr(_StreamedCheckpointFile, method), []
 
-        def pwrite(fd: int, data: Any, offset: int) -> int:
-            calls.append(offset)
-            if len(calls) > 3:
+        def full_disk(*a: Any, **k: Any) -> Any:
+            calls.append(1)
+            if len(calls) == (1 if method == "write_skeleton" else 2):
                 raise OSError(errno.ENOSPC, "No space left on device")
-            return real_pwrite(fd, data, offset)
+            return original(*a, **k)
 
-        patch = mock.patch("os.pwrite", pwrite) if trainer.global_rank == 0 else mock.patch.dict({})
+        patch = (
+            mock.patch.object(_StreamedCheckpointFile, method, full_disk)
+            if trainer.global_rank == 0
+            else mock.patch.dict({})
+        )
     else:
         stream_optimizer_state = type(trainer.strategy)._stream_optimizer_state
 
@@ -185,6 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--fail-rank", type=int, default=0)
+    parser.add_argument("--fail-at", choices=["skeleton", "gather"], default="gather")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,9 @@ def local_shards(local_state: Dict[str, Any]) -> Dict[int, Dict[str, torch.Tenso
     }
 
 
-def check_exact_resume(tmp_path: Path, optimizer: str, *extra: str, devices: int = 2, atol: float = 0.0) -> None:
+def check_exact_resume(
+    tmp_path: Path, optimizer: str, *extra: str, devices: int = 2, atol: float = 0.0, streamed: bool = True
+) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # 2k steps without stopping; ModelCheckpoint saves after every epoch (k steps), so a save happens mid-run
     run_scenario("fit", straight, "--optimizer", optimizer, "--scheduler", "--epochs", "2", *extra, devices=devices)
@@ -94,8 +96,9 @@ def check_exact_resume(tmp_path: Path, optimizer: str, *extra: str, devices: int
         devices=devices,
     )
     assert [r["global_step"] for r in results] == [8 if devices == 2 else 16] * devices
-    # ModelCheckpoint's saves were streamed (``stream_checkpoint``), the resumed one's included
-    assert [r["stream_reason"] for r in read_results(straight, devices)] == [None] * devices
+    # ModelCheckpoint's saves were streamed (``stream_checkpoint``), where they can be
+    reasons = [r["stream_reason"] for r in read_results(straight, devices)]
+    assert reasons == [None] * devices if streamed else all(reasons), reasons
     for rank in range(devices):
         expected, actual = rank_state(straight, rank), rank_state(resumed, rank)
         assert_same(actual["params"], expected["params"], f"rank {rank} params", atol)
@@ -198,7 +201,8 @@ def test_exact_resume_with_optimizer_layouts(tmp_path, layout, optimizer, device
     parameters are not in module order and FSDP instances without optimizer state (frozen blocks, the first one
     included) are consolidated; ``flatten_parameters=False``, which FairScale cannot consolidate, keeps every
     rank's own state."""
-    check_exact_resume(tmp_path, optimizer, "--layout", layout, devices=devices)
+    # FairScale's consolidated format needs flat parameters: a save with ``flatten_parameters=False`` is not streamed
+    check_exact_resume(tmp_path, optimizer, "--layout", layout, devices=devices, streamed=layout != "no_flatten")
     saved = load_checkpoint(tmp_path / "straight" / "ckpts" / "epoch=0.ckpt")["optimizer_states"][0]
     assert ("fsdp_per_rank" in saved) == (layout == "no_flatten")
     if layout == "param_groups":

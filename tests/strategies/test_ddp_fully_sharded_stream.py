@@ -55,12 +55,12 @@ def test_hook_that_reads_the_state_gets_a_gathered_save(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fail_rank", [0, 1])
-def test_failure_while_streaming_keeps_the_previous_checkpoint(tmp_path, fail_rank):
-    """Rank 0 running out of disk space mid-file, or another rank failing its part of a unit's gather: every rank
-    raises the same ``CheckpointError``, the previous file is untouched, no temporary file is left, and the next save
-    works."""
-    results = run_scenario("fails_while_streaming", tmp_path, "--fail-rank", str(fail_rank))
+@pytest.mark.parametrize(("fail_rank", "fail_at"), [(0, "skeleton"), (0, "gather"), (1, "gather")])
+def test_failure_while_streaming_keeps_the_previous_checkpoint(tmp_path, fail_rank, fail_at):
+    """Rank 0 running out of disk space while writing the file's structure or its units, or another rank failing
+    its part of a unit's gather: every rank raises the same ``CheckpointError``, the previous file is untouched, no
+    temporary file is left, and the next save works."""
+    results = run_scenario("fails_while_streaming", tmp_path, "--fail-rank", str(fail_rank), "--fail-at", fail_at)
     expected = "No space left on device" if fail_rank == 0 else "injected failure moving optimizer state"
     for result in results:
         assert f"failed on global rank {fail_rank}" in result["raised"]
