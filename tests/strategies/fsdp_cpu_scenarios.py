@@ -12,6 +12,7 @@ import torch
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel, full_parameters
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
+from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -48,16 +49,6 @@ def fit_and_save(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-def count_tensors(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return 1
-    if isinstance(obj, dict):
-        return sum(count_tensors(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(count_tensors(v) for v in obj)
-    return 0
-
-
 def compare_file(path: Path, full: Dict[str, torch.Tensor], model_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Load ``path`` into a plain (unsharded) copy of the model, strictly, and compare it with ``full``."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
@@ -92,8 +83,8 @@ def checkpoint_contents(args: argparse.Namespace) -> Dict[str, Any]:
     result: Dict[str, Any] = {
         "rank": trainer.global_rank,
         "module_state_keys": sorted(module_state),
-        "module_state_tensors": count_tensors(module_state),
-        "dumped_state_dict_tensors": count_tensors(dumped["state_dict"]),
+        "module_state_tensors": len(list(iter_tensors(module_state))),
+        "dumped_state_dict_tensors": len(list(iter_tensors(dumped["state_dict"]))),
         "dumped_optimizer_state_keys": sorted(dumped["optimizer_states"][0]),
         "full_keys": sorted(full),
         "fsdp_instances": sum(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()),

@@ -16,6 +16,7 @@ from torch import nn
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
+from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.utilities.cloud_io import _StreamedCheckpointFile
 from pytorch_lightning.utilities.exceptions import CheckpointError
@@ -82,16 +83,6 @@ def differences(actual: Any, expected: Any, path: str = "") -> List[str]:
     return [] if actual == expected else [f"{path}: {actual!r} != {expected!r}"]
 
 
-def count_tensors(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return 1
-    if isinstance(obj, dict):
-        return sum(count_tensors(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(count_tensors(v) for v in obj)
-    return 0
-
-
 def load(path: str) -> Dict[str, Any]:
     checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     checkpoint.pop("pytorch-lightning_version", None)
@@ -118,7 +109,7 @@ def streamed_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
                 # read from the state by the hook, which saw the values in both saves
                 result[f"first_value{suffix}"] = [streamed["first_value"], gathered["first_value"]]
             result[f"differences{suffix}"] = differences(streamed, gathered)
-            result[f"tensors{suffix}"] = count_tensors(gathered)
+            result[f"tensors{suffix}"] = len(list(iter_tensors(gathered)))
             safe = torch.load(args.out / f"streamed{suffix}.ckpt", weights_only=True)
             result[f"weights_only_loads{suffix}"] = len(safe["state_dict"])
     result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
