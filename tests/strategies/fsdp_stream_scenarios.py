@@ -12,6 +12,7 @@ from unittest import mock
 
 import torch
 from torch import nn
+from torchmetrics import MeanMetric
 
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
@@ -23,7 +24,18 @@ from pytorch_lightning.utilities.exceptions import CheckpointError
 
 
 class TiedFSDPModel(FSDPModel):
-    """Adds a block whose two linear layers share their weight, and a buffer, inside an FSDP unit."""
+    """Adds a block whose two linear layers share their weight, and a buffer, inside an FSDP unit, and a metric with
+    persistent state outside FSDP (``Metric`` overrides ``_save_to_state_dict``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.loss_mean = MeanMetric()
+        self.loss_mean.persistent(True)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.loss_mean.update(loss.detach())
+        return loss
 
     def configure_sharded_model(self) -> None:
         from fairscale.nn import wrap
@@ -58,7 +70,11 @@ def strategy(args: argparse.Namespace, **kwargs: Any) -> CPUFullyShardedStrategy
 
 def make_model(args: argparse.Namespace) -> FSDPModel:
     kwargs = dict(width=16, units=3, extra_before=True, extra_after=True, optimizer=args.optimizer, scheduler=True)
-    model_class = {"plain": FSDPModel, "tied": TiedFSDPModel, "hook": ReadsStateOnSave}[args.model]
+    model_class = {
+        "plain": FSDPModel,
+        "tied": TiedFSDPModel,
+        "hook": ReadsStateOnSave,
+    }[args.model]
     return model_class(wrapping=args.wrapping, **kwargs)
 
 
@@ -67,6 +83,8 @@ def differences(actual: Any, expected: Any, path: str = "") -> List[str]:
     if isinstance(expected, dict):
         if not isinstance(actual, dict) or list(actual) != list(expected):
             return [f"{path}: keys {list(actual) if isinstance(actual, dict) else type(actual)} != {list(expected)}"]
+        if type(actual) is not type(expected) or getattr(actual, "_metadata", None) != getattr(expected, "_metadata", None):
+            return [f"{path}: {type(actual).__name__} or its module versions differ"]
         return [d for k in expected for d in differences(actual[k], expected[k], f"{path}/{k}")]
     if isinstance(expected, (list, tuple)):
         if type(actual) is not type(expected) or len(actual) != len(expected):
@@ -116,10 +134,41 @@ def streamed_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+FAULTS = {"skeleton": 0, "units": 0, "optimizer": 1}  # where the fault is injected: the global rank it fails on
+
+
+def inject_fault(trainer: Trainer, fault: str) -> Any:
+    """A context in which the next streamed save fails on ``FAULTS[fault]`` only: on global rank 0 the disk fills up
+    while the file's structure is written (``skeleton``) or at the second unit's parameter (``units``); on rank 1,
+    moving a unit's optimizer state to the gather device fails (``optimizer``), while its gathers still run."""
+    if trainer.global_rank != FAULTS[fault]:
+        return mock.patch.dict({})
+    if fault == "optimizer":
+        stream_optimizer_state = type(trainer.strategy)._stream_optimizer_state
+
+        def failing_to(tensor: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+            raise RuntimeError("injected failure moving optimizer state")
+
+        def stream_with_failure(*a: Any, **k: Any) -> None:
+            with mock.patch.object(torch.Tensor, "to", failing_to):
+                stream_optimizer_state(*a, **k)
+
+        return mock.patch.object(type(trainer.strategy), "_stream_optimizer_state", stream_with_failure)
+    method = "write_skeleton" if fault == "skeleton" else "write"
+    original, calls = getattr(_StreamedCheckpointFile, method), []
+
+    def full_disk(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == (1 if method == "write_skeleton" else 2):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(*a, **k)
+
+    return mock.patch.object(_StreamedCheckpointFile, method, full_disk)
+
+
 def fails_while_streaming(args: argparse.Namespace) -> Dict[str, Any]:
-    """Save a good checkpoint, then fail the next save of the same path on ``--fail-rank``: on global rank 0 the
-    disk fills up while the file's structure is written (``--fail-at skeleton``) or while the units are written
-    (``gather``); on another rank, moving a unit's optimizer state to the gather device fails. Then save again."""
+    """Save a good checkpoint; then, for each fault of ``FAULTS``, change the weights and save over it with that
+    fault injected, and report what every rank raised and whether rank 0's file is unchanged. Then save again."""
     seed_everything(4)
     model = make_model(args)
     trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=strategy(args), max_epochs=1))
@@ -128,50 +177,19 @@ def fails_while_streaming(args: argparse.Namespace) -> Dict[str, Any]:
     trainer.save_checkpoint(path)
     before = path.read_bytes() if trainer.global_rank == 0 else b""
     result: Dict[str, Any] = {"rank": trainer.global_rank}
-    if args.fail_rank == 0:
-        # the disk fills up while the file's structure is written, or later, at the second unit's parameter
-        method = "write_skeleton" if args.fail_at == "skeleton" else "write"
-        original, calls = getattr(_StreamedCheckpointFile, method), []
-
-        def full_disk(*a: Any, **k: Any) -> Any:
-            calls.append(1)
-            if len(calls) == (1 if method == "write_skeleton" else 2):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return original(*a, **k)
-
-        patch = (
-            mock.patch.object(_StreamedCheckpointFile, method, full_disk)
-            if trainer.global_rank == 0
-            else mock.patch.dict({})
-        )
-    else:
-        stream_optimizer_state = type(trainer.strategy)._stream_optimizer_state
-
-        def failing_to(tensor: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
-            raise RuntimeError("injected failure moving optimizer state")
-
-        def stream_with_failure(*a: Any, **k: Any) -> None:
-            # only this rank's local work fails: its part of the gathers still runs, with zeros
-            with mock.patch.object(torch.Tensor, "to", failing_to):
-                stream_optimizer_state(*a, **k)
-
-        patch = (
-            mock.patch.object(type(trainer.strategy), "_stream_optimizer_state", stream_with_failure)
-            if trainer.global_rank == args.fail_rank
-            else mock.patch.dict({})
-        )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    try:
-        with patch:
-            trainer.save_checkpoint(path)
-        result["raised"] = None
-    except CheckpointError as ex:
-        result["raised"] = str(ex)
-    if trainer.global_rank == 0:
-        result["unchanged"] = path.read_bytes() == before
-        result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    for fault in FAULTS:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        try:
+            with inject_fault(trainer, fault):
+                trainer.save_checkpoint(path)
+            result[f"raised-{fault}"] = None
+        except CheckpointError as ex:
+            result[f"raised-{fault}"] = str(ex)
+        if trainer.global_rank == 0:
+            result[f"unchanged-{fault}"] = path.read_bytes() == before
+            result[f"temporary_files-{fault}"] = sorted(p.name for p in args.out.glob("*.tmp"))
     # the strategy still saves afterwards
     trainer.save_checkpoint(args.out / "after.ckpt")
     if trainer.global_rank == 0:
@@ -183,8 +201,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=["plain", "tied", "hook"], default="plain")
     parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    parser.add_argument("--fail-rank", type=int, default=0)
-    parser.add_argument("--fail-at", choices=["skeleton", "gather"], default="gather")
 
 
 if __name__ == "__main__":
