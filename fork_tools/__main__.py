@@ -1,4 +1,4 @@
-"""``python -m fork_tools {materialize,check,refresh,export}``: the maintainer workflow, like quilt."""
+"""``python -m fork_tools {materialize,check,bump,refresh,export}``: the maintainer workflow, like quilt."""
 import argparse
 import sys
 from pathlib import Path
@@ -14,12 +14,19 @@ def main(argv=None) -> int:
     p = sub.add_parser("materialize", help="build pytorch_lightning/ from the upstream wheel plus patches/series")
     p.add_argument("--force", action="store_true", help="discard edits that were never refreshed into a patch")
 
-    sub.add_parser("check", help="verify that pytorch_lightning/ equals upstream plus patches/series")
+    sub.add_parser(
+        "check", help="verify that pytorch_lightning/ equals upstream + patches/series + overlay/, and the mixins"
+    )
     sub.add_parser("bump", help="raise the fork revision (patches/revision) after editing a patch by hand")
 
-    p = sub.add_parser("refresh", help="write the edits made in pytorch_lightning/ into a patch")
+    p = sub.add_parser(
+        "refresh", help="write the edits made in pytorch_lightning/ into a patch, and overlay module edits to overlay/"
+    )
     p.add_argument(
-        "patch", help="patch name relative to patches/ (e.g. fork/x.patch); a new name is appended to the series"
+        "patch",
+        nargs="?",
+        help="patch name relative to patches/ (e.g. fork/x.patch); a new name is appended to the series; "
+        "not needed when only overlay modules were edited",
     )
     p.add_argument("--subject", help="Subject line of a new patch")
     p.add_argument("--why", help="why a new patch is needed (DEP-3 Description)")
@@ -45,7 +52,7 @@ def main(argv=None) -> int:
                 print(line)
             if problems:
                 return 1
-            print("pytorch_lightning/ equals upstream + patches/series")
+            print("pytorch_lightning/ equals upstream + patches/series + overlay/; the mixins fit their hosts")
         elif args.command == "bump":
             print(f"fork revision {revision.bump_revision()}")
         elif args.command == "refresh":

@@ -4,7 +4,9 @@ The output is a single mail in ``git format-patch`` layout: the patch's ``From``
 of its DEP-3 fields, then its diffs exactly as they are (``pytorch_lightning/...`` plus the upstream
 ``CHANGELOG.md`` hunk it may carry) and every ``--tests`` file as a new-file diff. Paths are upstream's, so
 ``git am`` works in an upstream checkout. Test files must only import what upstream 1.6.5's test suite offers,
-else the PR would not run there; ``check_test_imports`` enforces that.
+else the PR would not run there; ``check_test_imports`` enforces that. For the same reason neither the patch's added
+lines nor the tests may import the fork's overlay modules (``overlay/``): upstream has none of them
+(``overlay_imports``).
 """
 import ast
 import email.utils
@@ -13,8 +15,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Collection, Dict, Iterable, List, Optional, Sequence
 
+from fork_tools.overlay import OVERLAY_DIR, absolute_import, overlay_modules
 from fork_tools.series import PATCH_DIR, Patch, read_series, split_diffs, unified_diff
 from fork_tools.upstream import ROOT, BuildError
 
@@ -61,12 +64,15 @@ def _resolve(module: Optional[str], level: int, importer: str) -> str:
     return ".".join(base + ([module] if module else []))
 
 
-def check_test_imports(files: Dict[str, str]) -> List[str]:
-    """Imports in ``files`` (repo-relative path -> source) that upstream 1.6.5 could not satisfy, one line each."""
+def check_test_imports(files: Dict[str, str], fork_modules: Collection[str] = ()) -> List[str]:
+    """Imports in ``files`` (repo-relative path -> source) that upstream 1.6.5 could not satisfy, one line each;
+    ``fork_modules`` (the overlay's) are refused although they live in ``pytorch_lightning``."""
     included = {_module_of(path) for path in files}
     stdlib = set(sys.stdlib_module_names)
 
     def allowed(module: str, names: Sequence[str]) -> bool:
+        if module in fork_modules or any(f"{module}.{name}" in fork_modules for name in names):
+            return False
         top = module.split(".")[0]
         if top in stdlib or top in ALLOWED_TOP_LEVEL or module in included:
             return True
@@ -94,6 +100,35 @@ def check_test_imports(files: Dict[str, str]) -> List[str]:
                 continue
             problems += [f"{path}:{node.lineno}: imports {what}" for what in bad]
     return problems
+
+
+_FROM_IMPORT = re.compile(r"^\s*from\s+(\.*)([\w.]*)\s+import\s+\(?([^#]*)")
+_IMPORT = re.compile(r"^\s*import\s+([^#]+)")
+
+
+def overlay_imports(patch: Patch, fork_modules: Collection[str]) -> List[str]:
+    """Added lines of ``patch`` that import one of ``fork_modules``, as ``path: +line``.
+
+    Lines are read one at a time (an import's continuation lines are not joined), which finds every import
+    statement's module and the names on its first line: enough for the hooks a patch adds.
+    """
+    found = []
+    for path, text in split_diffs(patch.diff):
+        for line in text.splitlines():
+            if not line.startswith("+") or line.startswith("+++"):
+                continue
+            code = line[1:]
+            modules: List[str] = []
+            match = _FROM_IMPORT.match(code)
+            if match:
+                module = absolute_import(path, match.group(2) or None, len(match.group(1)))
+                names = [part.split()[0] for part in match.group(3).replace(")", "").split(",") if part.split()]
+                modules = [module] + [f"{module}.{name}" for name in names]
+            elif _IMPORT.match(code):
+                modules = [part.split()[0] for part in _IMPORT.match(code).group(1).split(",") if part.split()]
+            if any(module in fork_modules for module in modules):
+                found.append(f"{path}: {line}")
+    return found
 
 
 def _test_diffs(tests: Iterable[Path], root: Path) -> Dict[str, str]:
@@ -158,6 +193,7 @@ def export(
     upstream: Optional[Path] = None,
     patch_dir: Path = PATCH_DIR,
     root: Path = ROOT,
+    overlay_dir: Path = OVERLAY_DIR,
 ) -> str:
     """Write the PR mail for ``patch`` (its name in the series, e.g. ``upstream/x.patch``) to ``output``."""
     name = Path(patch).as_posix()
@@ -165,9 +201,16 @@ def export(
     if name not in by_name:
         raise BuildError(f"{name} is not in {patch_dir / 'series'}; choose one of: {', '.join(by_name)}")
     chosen = by_name[name]
+    fork_modules = overlay_modules(overlay_dir)
+    imports = overlay_imports(chosen, fork_modules)
+    if imports:
+        raise BuildError(
+            f"{name} imports the fork's overlay modules, which upstream does not have (move what it needs into "
+            "the patch itself):\n  " + "\n  ".join(imports)
+        )
 
     test_files = _test_diffs([Path(t) for t in tests], root)
-    problems = check_test_imports(test_files)
+    problems = check_test_imports(test_files, fork_modules)
     if problems:
         raise BuildError(
             "test files import what upstream 1.6.5 does not have (allowed: the standard library, "

@@ -2,7 +2,9 @@
 
 The tree carries two generated files that are not upstream's: ``_fork_version.py`` (the fork's version, read by
 the version patch) and ``.fork-stamp.json`` (what the tree was built from and the hash of every file), which lets
-a rebuild tell a stale tree from one a maintainer has edited and not yet refreshed.
+a rebuild tell a stale tree from one a maintainer has edited and not yet refreshed. Builds that include the fork
+group also carry the overlay modules (``overlay/``, see ``fork_tools.overlay``); they are ordinary tree files, so
+the stamp covers them like any other.
 """
 import hashlib
 import json
@@ -13,6 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from fork_tools.overlay import FORK_GROUP, OVERLAY_DIR, apply_overlay, builds_fork, read_overlay
 from fork_tools.revision import read_revision
 from fork_tools.series import PATCH_DIR, Patch, Tree, apply_series, read_series
 from fork_tools.upstream import ROOT, BuildError, Pin, fetch_wheel, read_pin
@@ -42,7 +45,7 @@ def pristine_tree(pin: Optional[Pin] = None) -> Tree:
 
 
 def patched_tree(upto: Optional[int] = None, patches: Optional[List[Patch]] = None) -> Tree:
-    """Upstream plus the first ``upto`` patches of the series (all of them by default)."""
+    """Upstream plus the first ``upto`` patches of the series (all of them by default), without the overlay."""
     tree = pristine_tree()
     series = read_series() if patches is None else patches
     apply_series(tree, series[:upto])
@@ -53,11 +56,27 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def inputs_digest(pin: Pin, patches: List[Patch], patch_dir: Path = PATCH_DIR) -> str:
+def inputs_digest(
+    pin: Pin,
+    patches: List[Patch],
+    patch_dir: Path = PATCH_DIR,
+    overlay: Optional[Tree] = None,
+    overlay_dir: Path = OVERLAY_DIR,
+) -> str:
+    """What a tree is built from: the wheel, the revision, the patches and the overlay modules it carries.
+
+    ``overlay`` defaults to ``overlay_dir``'s modules when ``patches`` include the fork group, as ``materialize``
+    builds them, so a caller holding only the patch list gets the digest of the matching build.
+    """
+    if overlay is None:
+        fork = any(patch.name.split("/", 1)[0] == FORK_GROUP for patch in patches)
+        overlay = read_overlay(overlay_dir) if fork else {}
     digest = hashlib.sha256(pin.sha256.encode())
     digest.update(str(read_revision(patch_dir)).encode() + b"\0")
     for patch in patches:
         digest.update(patch.name.encode() + b"\0" + patch.path.read_bytes())
+    for rel, text in sorted(overlay.items()):
+        digest.update(b"overlay\0" + rel.encode() + b"\0" + text.encode())
     return digest.hexdigest()
 
 
@@ -121,22 +140,29 @@ def series_groups(patches: List[Patch], groups: Sequence[str]) -> List[Patch]:
 
 
 def materialize(
-    root: Path = ROOT, force: bool = False, patch_dir: Path = PATCH_DIR, groups: Optional[Sequence[str]] = None
+    root: Path = ROOT,
+    force: bool = False,
+    patch_dir: Path = PATCH_DIR,
+    groups: Optional[Sequence[str]] = None,
+    overlay_dir: Path = OVERLAY_DIR,
 ) -> str:
     """Build ``root/pytorch_lightning`` from the series in ``patch_dir`` unless it is already up to date.
 
     Returns the fork version. A tree with edits that were never refreshed into a patch is not overwritten unless
     ``force`` is given. ``groups`` builds only those groups of the series, e.g. ``("compat",)`` for upstream 1.6.5
     as it runs on today's stack (the checkpoint-memory benchmark's baseline); such a tree's version carries the
-    groups (``...+fsdp.<revision>.compat``), so it is never mistaken for the fork.
+    groups (``...+fsdp.<revision>.compat``), so it is never mistaken for the fork. The overlay modules of
+    ``overlay_dir`` are added after the patches when the fork group is built, and only then.
     """
     pin = read_pin()
-    patches = read_series(patch_dir)
+    series = read_series(patch_dir)
+    patches = series
     version = fork_version(pin, patch_dir)
     if groups is not None:
-        patches = series_groups(patches, groups)
+        patches = series_groups(series, groups)
         version += "." + ".".join(groups)
-    inputs = inputs_digest(pin, patches, patch_dir)
+    overlay = read_overlay(overlay_dir) if builds_fork(groups) else {}
+    inputs = inputs_digest(pin, patches, patch_dir, overlay)
     stamp = _read_stamp(root)
     if stamp is not None and not force:
         edits = local_edits(root)
@@ -151,5 +177,7 @@ def materialize(
             )
     tree = pristine_tree(pin)
     apply_series(tree, patches)
+    if overlay:
+        apply_overlay(tree, overlay, [patch.name for patch in series], overlay_dir)
     write_tree(tree, root, version, inputs)
     return version

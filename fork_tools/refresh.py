@@ -1,19 +1,27 @@
-"""Check the materialised tree against the series, and refresh edits made in it back into a patch."""
+"""Check the materialised tree against the series and the overlay, and refresh edits made in it back into them.
+
+Edits to overlay modules go back to their files under ``overlay/``; every other edit goes into a patch. When that
+patch changes line counts, the later patches are re-applied by exact context (``series.locate_hunks``) and those
+that moved are rewritten with their new line numbers, so the series never keeps a stale header.
+"""
 import textwrap
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from fork_tools.revision import bump_revision
 from fork_tools.materialize import PACKAGE, fork_version, inputs_digest, pristine_tree, read_tree, write_tree
+from fork_tools.mixins import mixin_problems
+from fork_tools.overlay import OVERLAY_DIR, apply_overlay, features, overlay_problems, read_overlay
+from fork_tools.revision import bump_revision
 from fork_tools.series import (
     PATCH_DIR,
     Patch,
+    Tree,
     apply_patch,
     apply_series,
+    exact_diff,
     in_package,
     read_series,
     split_diffs,
-    unified_diff,
 )
 from fork_tools.upstream import ROOT, BuildError, read_pin
 
@@ -38,14 +46,21 @@ def description_field(text: str, width: int = 72) -> str:
     return "\n".join(lines)
 
 
-def check(root: Path = ROOT, patch_dir: Path = PATCH_DIR) -> List[str]:
-    """Differences between ``root/pytorch_lightning`` and upstream + series, one line each."""
+def check(root: Path = ROOT, patch_dir: Path = PATCH_DIR, overlay_dir: Path = OVERLAY_DIR) -> List[str]:
+    """Problems of ``root/pytorch_lightning``, one line each: overlay modules that break the overlay's rules
+    (``overlay.overlay_problems``: shadowing, no feature line), differences from upstream + series + overlay, and
+    mixin drift found by reading the tree (``mixins.mixin_problems``: ``@override`` methods overriding nothing,
+    shadowed mixin methods, overrides lacking ``@override``)."""
     if not (root / PACKAGE).is_dir():
         return [f"{root / PACKAGE} does not exist: run 'python -m fork_tools materialize'"]
+    series = read_series(patch_dir)
     expected = pristine_tree()
-    apply_series(expected, read_series(patch_dir))
+    apply_series(expected, series)
+    overlay = read_overlay(overlay_dir)
+    problems = overlay_problems(overlay, expected, [p.name for p in series], overlay_dir)
+    modules = {path for path in overlay if path not in expected}  # a shadowing file is upstream's, not a module
+    expected.update({path: overlay[path] for path in modules})
     actual = read_tree(root)
-    problems = []
     for path in sorted(set(expected) | set(actual)):
         if path not in actual:
             problems.append(f"missing: {path}")
@@ -53,7 +68,8 @@ def check(root: Path = ROOT, patch_dir: Path = PATCH_DIR) -> List[str]:
             problems.append(f"not from upstream + series: {path}")
         elif actual[path] != expected[path]:
             problems.append(f"differs: {path}")
-    return problems
+    shown = lambda path: f"{overlay_dir.name}/{path}" if path in modules else path  # noqa: E731
+    return problems + mixin_problems(actual, modules & set(actual), shown)
 
 
 def _with_kept_diffs(package_diff: str, old: Optional[Patch]) -> str:
@@ -64,66 +80,132 @@ def _with_kept_diffs(package_diff: str, old: Optional[Patch]) -> str:
     return "".join(text for _, text in sorted(sections, key=lambda section: section[0]))
 
 
+def _module_edits(disk: Tree, overlay: Tree, built: Tree) -> Dict[str, Optional[str]]:
+    """Overlay files to write (path -> text) or delete (None): overlay modules edited or removed in the tree, and
+    new files there that name their feature (``# fork-feature:``), which are overlay modules by the rules."""
+    edits: Dict[str, Optional[str]] = {p: disk.get(p) for p in overlay if disk.get(p) != overlay[p]}
+    for path, text in disk.items():
+        if path not in overlay and path not in built and path.endswith(".py") and features(text):
+            edits[path] = text
+    return edits
+
+
+def _refresh_patch(
+    series: List[Patch], name: str, edits: str, pristine: Tree, package: Tree, header: str
+) -> Tuple[List[Patch], List[str]]:
+    """The series with ``edits`` (a diff against upstream + series) recorded in patch ``name`` (appended if new),
+    and the names of the patches rewritten: ``name`` and every later patch whose hunks moved."""
+    names = [p.name for p in series]
+    index = names.index(name) if name in names else len(series)
+    old = series[index] if name in names else None
+    base = dict(pristine)
+    apply_series(base, series[:index])
+    if old is None:
+        target = dict(package)
+    else:
+        target = dict(base)
+        apply_patch(target, old)
+        try:
+            apply_patch(target, Patch(old.path, "", edits, "(your edits)"))
+        except BuildError as err:
+            raise BuildError(
+                f"the edits do not apply to the series up to {name} by exact context; if they overlap a later patch, "
+                f"refresh that one instead ({err})"
+            ) from None
+    diff = exact_diff(base, target)
+    if not diff:
+        raise BuildError(f"{name} would be empty")
+    result = series[:index] + [Patch(old.path if old else Path(name), header, _with_kept_diffs(diff, old), name)]
+    changed = [name]
+    tree = target
+    for later in series[index + 1 :]:
+        before = dict(tree)
+        if apply_patch(tree, later):  # applied by exact context, away from its line numbers: rewrite them
+            later = later._replace(diff=_with_kept_diffs(exact_diff(before, tree), later))
+            changed.append(later.name)
+        result.append(later)
+    return result, changed
+
+
 def refresh(
-    name: str,
+    name: Optional[str] = None,
     subject: Optional[str] = None,
     why: Optional[str] = None,
     bug: Optional[str] = None,
     root: Path = ROOT,
     patch_dir: Path = PATCH_DIR,
+    overlay_dir: Path = OVERLAY_DIR,
 ) -> str:
-    """Record the edits in ``root``'s tree into patch ``name`` and rewrite the tree from the updated series.
+    """Record the edits in ``root``'s tree, bump the revision and rewrite the tree from the updated inputs.
 
-    For a patch already in the series, the edits (tree minus upstream + whole series) are re-applied on top of the
-    series up to that patch, so later patches need not be popped first; they must still apply afterwards. Diffs of
-    the old patch outside ``pytorch_lightning/`` (its upstream CHANGELOG.md hunk) are kept as they were.
+    Edits to overlay modules (and new modules with a ``# fork-feature:`` line) are written to ``overlay_dir``;
+    they need no patch name. Any other edit goes into patch ``name``: for a patch already in the series, the edits
+    (tree minus upstream + whole series) are re-applied on top of the series up to that patch, so later patches
+    need not be popped first; each later patch is then re-applied by exact context and rewritten with corrected
+    line numbers if it moved. Diffs outside ``pytorch_lightning/`` (an upstream CHANGELOG.md hunk) are kept as
+    they were. Nothing is written unless the rebuilt tree equals the edited one.
     """
+    if not (root / PACKAGE).is_dir():
+        raise BuildError(f"{root / PACKAGE} does not exist: run 'python -m fork_tools materialize' and edit it")
     series = read_series(patch_dir)
     names = [p.name for p in series]
     disk = read_tree(root)
     pristine = pristine_tree()
-    old: Optional[Patch] = None
+    overlay = read_overlay(overlay_dir)
+    full = dict(pristine)
+    apply_series(full, series)
+    shadowing = sorted(set(overlay) & set(full))
+    if shadowing:  # the tree holds upstream's file there, which must not be taken for the module (or dropped)
+        raise BuildError(f"{overlay_dir.name}/ shadows files of upstream + series ({', '.join(shadowing)}); move them")
+    modules = _module_edits(disk, overlay, full)
+    new_overlay = {p: t for p, t in {**overlay, **modules}.items() if t is not None}
+    package = {p: t for p, t in disk.items() if p not in overlay and p not in modules}
+    edits = exact_diff(full, package)
 
-    if name in names:
-        index = names.index(name)
-        old = series[index]
-        full = dict(pristine)
-        apply_series(full, series)
-        edits = unified_diff(full, disk)
-        if not edits:
-            raise BuildError(f"no edits in {PACKAGE}/ relative to upstream + series; {name} unchanged")
-        base = dict(pristine)
-        apply_series(base, series[:index])
-        target = dict(base)
-        apply_patch(target, old)
-        try:
-            apply_patch(target, Patch(old.path, "", edits, old.name))
-        except BuildError as err:
-            raise BuildError(f"the edits overlap a later patch; refresh that one instead ({err})") from None
-        header = old.header
-    else:
-        if not subject or not why:
+    changed: List[str] = []
+    if edits:
+        if name is None:
+            files = ", ".join(path for path, _ in split_diffs(edits))
+            raise BuildError(f"edits in {files} belong in a patch: name it ('refresh fork/<slug>.patch')")
+        if name in names:
+            header = series[names.index(name)].header
+        elif not subject or not why:
             raise BuildError(f"{name} is a new patch: give --subject and --why (and --bug for the upstream link)")
-        base = dict(pristine)
-        apply_series(base, series)
-        target = disk
-        header = NEW_HEADER.format(subject=subject, description=description_field(why), bug=bug or "no")
-
-    diff = unified_diff(base, target)
-    if not diff:
+        else:
+            header = NEW_HEADER.format(subject=subject, description=description_field(why), bug=bug or "no")
+        series, changed = _refresh_patch(series, name, edits, pristine, package, header)
+    elif name is not None and name not in names:
         raise BuildError(f"{name} would be empty")
-    path = patch_dir / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + _with_kept_diffs(diff, old))
-    if name not in names:
-        with open(patch_dir / "series", "a") as f:
-            f.write(name + "\n")
+    elif not modules:
+        raise BuildError(f"no edits in {PACKAGE}/ relative to upstream + series + overlay; nothing to refresh")
 
-    # Rebuild the tree from the new series; this also proves every later patch still applies.
-    series = read_series(patch_dir)
+    # Rebuild from the new inputs in memory; nothing is written unless that gives back the edited tree.
     tree = dict(pristine)
     apply_series(tree, series)
+    apply_overlay(tree, new_overlay, [p.name for p in series], overlay_dir)
+    if tree != disk:
+        wrong = sorted(p for p in set(tree) | set(disk) if tree.get(p) != disk.get(p))
+        raise BuildError(
+            f"the refreshed series would not rebuild the edited tree ({', '.join(wrong)}); if the edits overlap a "
+            "later patch, refresh that one instead"
+        )
+    for patch in series:
+        if patch.name in changed:
+            (patch_dir / patch.name).parent.mkdir(parents=True, exist_ok=True)
+            (patch_dir / patch.name).write_text(patch.header + patch.diff)
+    if name is not None and name not in names:
+        with open(patch_dir / "series", "a") as f:
+            f.write(name + "\n")
+    for path, text in modules.items():
+        target = overlay_dir / path
+        if text is None:
+            target.unlink()
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+    series = read_series(patch_dir)
     pin = read_pin()
-    revision = bump_revision(patch_dir)
-    write_tree(tree, root, fork_version(pin, patch_dir), inputs_digest(pin, series, patch_dir))
-    return f"refreshed {path} (fork revision {revision})"
+    revision = bump_revision(patch_dir, overlay_dir)
+    write_tree(tree, root, fork_version(pin, patch_dir), inputs_digest(pin, series, patch_dir, new_overlay))
+    what = [f"{patch_dir.name}/{n}" for n in changed] + [f"{overlay_dir.name}/{p}" for p in sorted(modules)]
+    return f"refreshed {', '.join(what)} (fork revision {revision})"

@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", type=Path, help="write a PNG plot here")
     parser.add_argument("--out", type=Path, help="folder for checkpoints and rank results (default: a temp dir, removed)")
     parser.add_argument("--timeout", type=float, help="seconds per run, all ranks (default: scales with S and N)")
+    parser.add_argument(
+        "--keep-checkpoints", action="store_true",
+        help="keep each run's checkpoint in --out (to compare the files two builds write; they are S-sized)",
+    )
     return parser
 
 
@@ -114,7 +118,7 @@ def run_one(
         return report.failed_run(config, world_size, args.size_mb, detail)
     run = report.make_run(config, world_size, ranks, complete=registry.by_name(config).complete)
     run["wall_seconds"] = result.seconds
-    for path in run_dir.glob("*.ckpt"):
+    for path in [] if args.keep_checkpoints else run_dir.glob("*.ckpt"):
         path.unlink()  # keep --out small: the checkpoints are S-sized and only needed inside the run
     return run
 

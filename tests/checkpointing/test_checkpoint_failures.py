@@ -13,12 +13,8 @@ from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.trainer.connectors.checkpoint_connector import CheckpointConnector
-from pytorch_lightning.utilities.exceptions import (
-    _checkpoint_error_type,
-    _checkpoint_error_type_named,
-    CheckpointError,
-    MisconfigurationException,
-)
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_error_type, _checkpoint_error_type_named
+from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from tests.helpers.optimizer_models import SGDModel
 
 
@@ -78,7 +74,7 @@ def _connector(rank, failed_ranks, world_size=2, type_names=None):
     return CheckpointConnector(trainer)
 
 
-@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_connector.distributed_available", return_value=True)
+@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_failures.distributed_available", return_value=True)
 def test_failure_on_one_rank_raises_on_every_rank(_):
     # rank 1 did not fail, rank 0 did: rank 1 raises with rank 0's message
     with pytest.raises(CheckpointError, match="'x.ckpt' failed on global rank 0: OSError.*No space left") as info:
@@ -98,7 +94,7 @@ def test_failure_on_one_rank_raises_on_every_rank(_):
 
 
 @pytest.mark.parametrize("strategy_name, collective", [("ddp", False), ("fsdp", True)])
-@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_connector.distributed_available", return_value=True)
+@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_failures.distributed_available", return_value=True)
 def test_save_is_collective_only_where_saving_already_is(_, strategy_name, collective):
     """FSDP gathers the state on every rank, so the save ends with the failure-flag collective; plain DDP allows
     ``trainer.save_checkpoint`` on rank 0 alone, where that collective would hang."""
@@ -179,7 +175,7 @@ def test_checkpoint_error_type_named_falls_back_to_checkpoint_error(module, qual
     assert _checkpoint_error_type_named(module, qualname) is CheckpointError
 
 
-@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_connector.distributed_available", return_value=True)
+@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_failures.distributed_available", return_value=True)
 def test_every_rank_raises_the_original_type(_):
     """The rank that did not fail raises the type of the failing rank's error, which it only knows by name."""
     names = {0: ("builtins", "FileNotFoundError"), 1: ("builtins", "ValueError")}
@@ -205,7 +201,7 @@ def test_every_rank_raises_the_original_type(_):
     assert type(info.value) is CheckpointError
 
 
-@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_connector.distributed_available", return_value=True)
+@mock.patch("pytorch_lightning.trainer.connectors.checkpoint_failures.distributed_available", return_value=True)
 def test_misconfiguration_keeps_its_type(_):
     """The rank with a ``MisconfigurationException`` re-raises it unchanged; the others raise one too."""
     error = MisconfigurationException("unsupported")

@@ -3,7 +3,7 @@ from datetime import timedelta
 
 import pytest
 
-from pytorch_lightning.utilities.distributed import _checkpoint_timeout, DEFAULT_CHECKPOINT_TIMEOUT
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_timeout, DEFAULT_CHECKPOINT_TIMEOUT
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 

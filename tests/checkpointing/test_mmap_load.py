@@ -8,7 +8,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
-from pytorch_lightning.utilities import cloud_io
+from pytorch_lightning.utilities import mmap_load
 from pytorch_lightning.utilities.cloud_io import atomic_save
 from pytorch_lightning.utilities.cloud_io import load as pl_load
 from tests.helpers.mmap_check import is_mapped_from
@@ -126,7 +126,7 @@ def test_load_mmap_remote_path_falls_back(load_calls):
 
 
 def test_load_mmap_unsupported_torch_falls_back(tmp_path, load_calls, monkeypatch):
-    monkeypatch.setattr(cloud_io, "_TORCH_LOAD_MMAP_AVAILABLE", False)
+    monkeypatch.setattr(mmap_load, "_TORCH_LOAD_MMAP_AVAILABLE", False)
     path = tmp_path / "model.ckpt"
     atomic_save(_checkpoint(), path)
     _assert_equal(pl_load(path, mmap=True), _checkpoint())
@@ -185,7 +185,7 @@ def test_load_mmap_not_on_windows(tmp_path, load_calls, monkeypatch):
     """Windows cannot replace a mapped file, so the next save over the resumed checkpoint would fail."""
     path = tmp_path / "model.ckpt"
     atomic_save(_checkpoint(), path)
-    monkeypatch.setattr(cloud_io.os, "name", "nt")
+    monkeypatch.setattr(mmap_load.os, "name", "nt")
     loaded = pl_load(path, mmap=True)
     monkeypatch.undo()
     _assert_equal(loaded, _checkpoint())

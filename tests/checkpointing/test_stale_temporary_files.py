@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from pytorch_lightning.plugins.io import TorchCheckpointIO
-from pytorch_lightning.utilities.cloud_io import atomic_save, remove_stale_temporary_files
+from pytorch_lightning.utilities.atomic_save import remove_stale_temporary_files
+from pytorch_lightning.utilities.cloud_io import atomic_save
 
 
 def _debris(folder: Path, name: str = "model.ckpt.0123abcd.tmp") -> Path:

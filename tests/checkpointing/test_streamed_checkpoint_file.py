@@ -5,7 +5,11 @@ import os
 import pytest
 import torch
 
-from pytorch_lightning.utilities.cloud_io import _NotStreamable, _StreamedCheckpointFile, _streamed_save_available
+from pytorch_lightning.utilities.streamed_checkpoint_file import (
+    _NotStreamable,
+    _StreamedCheckpointFile,
+    _streamed_save_available,
+)
 
 pytestmark = pytest.mark.skipif(not _streamed_save_available(), reason="needs torch >= 2.5")
 

@@ -8,6 +8,7 @@ import pytest
 
 from fork_tools import upstream
 from fork_tools.materialize import PACKAGE, VERSION_FILE, fork_version, materialize
+from fork_tools.overlay import read_overlay
 from fork_tools.refresh import check, refresh
 from fork_tools.revision import read_revision
 from fork_tools.series import read_series
@@ -42,6 +43,7 @@ def test_compat_only_build_is_upstream_on_todays_stack(offline_wheel, tmp_path):
     assert version in (package / VERSION_FILE).read_text()
     assert "state_dict_on_rank_0_only" not in (package / "strategies" / "fully_sharded.py").read_text()
     assert "_fork_version" in (package / "__about__.py").read_text()  # compat/fork-version.patch is there
+    assert [path for path in read_overlay() if (root / path).exists()] == []  # the overlay is the fork's
     stamp = (package / ".fork-stamp.json").stat().st_mtime_ns
     assert materialize(root=root, groups=("compat",)) == version
     assert (package / ".fork-stamp.json").stat().st_mtime_ns == stamp
@@ -95,8 +97,9 @@ def test_check_command_line(offline_wheel, tmp_path):
     # `python -m fork_tools materialize` / `check` as a maintainer runs them, in a copy of the repository so the
     # developer's own tree is left alone.
     clone = tmp_path / "clone"
-    for part in ("fork_tools", "patches", "requirements"):
-        shutil.copytree(ROOT / part, clone / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("fork_tools", "patches", "requirements", "overlay"):
+        if (ROOT / part).is_dir():
+            shutil.copytree(ROOT / part, clone / part, ignore=shutil.ignore_patterns("__pycache__"))
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "fork_tools", *args], cwd=clone, capture_output=True, text=True)

@@ -6,7 +6,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from fork_tools.export import header_fields
-from fork_tools.materialize import pristine_tree
+from fork_tools.materialize import patched_tree, pristine_tree
 from fork_tools.revision import stale_revision
 from fork_tools.series import apply_patch, read_series
 
@@ -77,3 +77,17 @@ def test_no_patch_rewrites_lines_an_earlier_patch_of_its_group_added():
 
 def test_revision_was_bumped_for_this_series():
     assert not stale_revision(), "the series changed: run 'python -m fork_tools bump'"
+
+
+def _added_lines(diff: str) -> int:
+    return sum(1 for line in diff.splitlines() if line.startswith("+") and not re.match(r"\+\+\+ (b/|/dev/null)", line))
+
+
+def test_fork_patches_are_touch_points_only():
+    """A fork feature's code lives in its overlay/ module; its fork/ patch only hooks it in (imports, call sites,
+    base classes), so the patches, and the upstream file they touch most, stay small."""
+    added = {p.name: _added_lines(p.diff) for p in SERIES if p.name.startswith("fork/")}
+    assert {name: n for name, n in added.items() if n > 60} == {}, "at most 60 added lines per fork/ patch"
+    assert sum(added.values()) <= 250, f"at most 250 added lines in all fork/ patches: {added}"
+    fully_sharded = patched_tree()["pytorch_lightning/strategies/fully_sharded.py"]
+    assert len(fully_sharded.splitlines()) <= 450

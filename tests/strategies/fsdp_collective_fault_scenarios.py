@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict
 
 import torch
 
-import pytorch_lightning.strategies.fully_sharded as fully_sharded
+import pytorch_lightning.strategies.fsdp_optimizer_state as fsdp_optimizer_state
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
@@ -86,9 +86,9 @@ def _model() -> FSDPModel:
 def save_side(args: argparse.Namespace) -> Dict[str, Any]:
     fault = Fault(args)
     if args.loop == "state_dict_memory":
-        import pytorch_lightning.utilities.distributed as distributed
+        import pytorch_lightning.strategies.fsdp_checkpoint_errors as fsdp_checkpoint_errors
 
-        original_available = distributed._available_host_memory
+        original_available = fsdp_checkpoint_errors._available_host_memory
 
         def available() -> Any:
             if fault.armed and global_rank() == fault.fail_rank:
@@ -96,7 +96,7 @@ def save_side(args: argparse.Namespace) -> Dict[str, Any]:
                 return 64  # bytes: too little even for this small model's state dict
             return original_available()
 
-        distributed._available_host_memory = available
+        fsdp_checkpoint_errors._available_host_memory = available
     elif args.loop == "state_dict":
         from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
@@ -107,7 +107,9 @@ def save_side(args: argparse.Namespace) -> Dict[str, Any]:
 
         FlattenParamsWrapper.get_param_views = fault.wrap(FlattenParamsWrapper.get_param_views)
     elif global_rank() == args.fail_rank:
-        fully_sharded._optimizer_state_to_gather_device = fault.wrap(fully_sharded._optimizer_state_to_gather_device)
+        fsdp_optimizer_state._optimizer_state_to_gather_device = fault.wrap(
+            fsdp_optimizer_state._optimizer_state_to_gather_device
+        )
     seed_everything(1)
     # the loops of the gathered save; the streamed one's faults: ``fsdp_stream_scenarios.fails_while_streaming``
     strategy = CPUFullyShardedStrategy(stream_checkpoint=False)
@@ -182,7 +184,7 @@ def load_side(args: argparse.Namespace) -> Dict[str, Any]:
                 fault.armed = False
 
         strategy.load_optimizer_state_dict = load_optimizer_state_dict
-        fully_sharded._shard_optimizer_state = fault.wrap(fully_sharded._shard_optimizer_state)
+        fsdp_optimizer_state._shard_optimizer_state = fault.wrap(fsdp_optimizer_state._shard_optimizer_state)
     trainer = _trainer(args, strategy=strategy, max_epochs=2)
     result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": False}
     try:

@@ -19,7 +19,7 @@ from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Trainer, seed_everything
-from pytorch_lightning.utilities.cloud_io import _StreamedCheckpointFile
+from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
 from pytorch_lightning.utilities.exceptions import CheckpointError
 
 

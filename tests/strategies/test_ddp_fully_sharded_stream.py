@@ -54,7 +54,7 @@ def test_hook_that_reads_the_state_gets_a_gathered_save(tmp_path):
 def test_state_dict_customisations_are_found():
     """What makes a save gathered when a module that is, holds or is inside an FSDP instance has it: the streamed
     save lays out that part of the state dict as torch's and FairScale's own code does."""
-    from pytorch_lightning.strategies.fully_sharded import _custom_state_dict_methods
+    from pytorch_lightning.strategies.fsdp_stream_decision import _custom_state_dict_methods
 
     class Override(torch.nn.Linear):
         def state_dict(self, *args, **kwargs):

@@ -1,0 +1,473 @@
+"""Consolidated FSDP optimizer state: ``DDPFullyShardedStrategy`` saves the full optimizer state, gathered onto
+global rank 0 one FSDP instance at a time, in FairScale's format, and re-shards it on load for any world size.
+
+The hooks are ``DDPFullyShardedStrategy``'s base class and ``configure_ddp``, which checks the layout.
+"""
+# fork-feature: fork/fsdp-consolidated-optimizer-state.patch
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
+from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.utilities.apply_func import apply_to_collection
+from pytorch_lightning.utilities.checkpoint_errors import _CollectiveFailure
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+
+if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+
+class FSDPOptimizerStateMixin(DDPStrategy):
+    """Methods of ``DDPFullyShardedStrategy`` that save and load the consolidated optimizer state."""
+
+    def _outermost_fsdp_modules(self) -> List["FullyShardedDataParallel"]:
+        """The FSDP instances of the LightningModule that are not nested inside another FSDP instance."""
+        instances = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
+        nested = {id(m) for instance in instances for m in instance.modules() if m is not instance}
+        return [m for m in instances if id(m) not in nested]
+
+    def _optimizer_state_layout(self) -> str:
+        """How :meth:`optimizer_state` saves the optimizer state of the LightningModule.
+
+        - ``"replicated"``: no FSDP instance, nothing is sharded; rank 0's state is the full state.
+        - ``"consolidated"``: the state of the FSDP parameters is consolidated on rank 0 in FairScale's format, one
+          outermost FSDP instance at a time; the state of replicated parameters is saved from rank 0. Any number of
+          param groups and any parameter order work, and the checkpoint can be resumed on any number of processes.
+        - ``"per_rank"``: FairScale's format needs ``flatten_parameters=True``. Without it, every rank's local state
+          is saved as it is, so the checkpoint resumes exactly but only on the same number of processes.
+        """
+        instances = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not instances:
+            return "replicated"
+        if any(not m.flatten_parameters for m in instances):
+            return "per_rank"
+        return "consolidated"
+
+    def _optimizer_root_param_ids(self, optimizer: Optimizer) -> List[List[Optional[int]]]:
+        """For each outermost FSDP instance, the optimizer's index (as in ``optimizer.state_dict()``) of each of its
+        flat parameters, in FairScale's order, or ``None`` for a flat parameter the optimizer does not hold."""
+        index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+        return [[index.get(id(p)) for p in root.parameters()] for root in self._outermost_fsdp_modules()]
+
+    def _check_optimizer_state_layout(self) -> None:
+        if self.optimizers and self._optimizer_state_layout() == "per_rank":
+            rank_zero_warn(
+                "`DDPFullyShardedStrategy` can consolidate the optimizer state only with `flatten_parameters=True`."
+                " Checkpoints will hold every rank's own optimizer state instead, so they can be resumed exactly,"
+                " but only with the same number of processes."
+            )
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """Returns the full state of ``optimizer`` on global rank 0, and an empty dict elsewhere.
+
+        Each rank holds the optimizer state of its own shard of the FSDP parameters only. The shards are gathered
+        onto global rank 0 one FSDP instance at a time, so no other rank ever holds the full optimizer state. This
+        is a collective call: all ranks must call it.
+
+        The checkpoint holds, under ``"fsdp_roots"``, the consolidated state of each outermost FSDP instance in the
+        format of FairScale's ``gather_full_optim_state_dict`` (one entry per original parameter, so it can be
+        resumed with a different number of processes), under ``"fsdp_root_param_ids"`` which optimizer parameter
+        each flat parameter is, under ``"state"`` the state of the replicated parameters (those outside FSDP, the
+        same on every rank), and the optimizer's ``"param_groups"``. With ``flatten_parameters=False`` every rank's
+        local state is saved under ``"fsdp_per_rank"`` instead (see ``_optimizer_state_layout``). A LightningModule
+        without FSDP instances saves its optimizer state as is.
+
+        Args:
+            optimizer: the optimizer whose state is saved.
+        """
+        layout = self._optimizer_state_layout()
+        state = optimizer.state_dict()
+        if layout == "replicated":
+            return {} if self.state_dict_on_rank_0_only and self.global_rank != 0 else state
+        if layout == "per_rank":
+            return self._gather_local_optimizer_states(state) or self._optimizer_state_off_rank_zero(optimizer)
+        # FairScale converts tensor ``step`` entries to ints in place; a shallow copy of each per-parameter dict
+        # keeps the live optimizer state untouched (Adam needs its ``step`` to stay a tensor).
+        state["state"] = {key: dict(value) for key, value in state["state"].items()}
+        root_param_ids = self._optimizer_root_param_ids(optimizer)
+        failure = _CollectiveFailure()
+        consolidated = [
+            self._consolidate_optimizer_state(root, _root_optimizer_state(state, param_ids), failure)
+            for root, param_ids in zip(self._outermost_fsdp_modules(), root_param_ids)
+        ]
+        if failure.failed:
+            # every rank has been through every consolidation: raised by ``Trainer.save_checkpoint`` on every rank
+            self._record_checkpoint_error(failure.error)
+            return {}
+        if self.global_rank != 0:
+            return self._optimizer_state_off_rank_zero(optimizer)
+        sharded = {i for param_ids in root_param_ids for i in param_ids if i is not None}
+        return {
+            "state": {i: buffers for i, buffers in state["state"].items() if i not in sharded},
+            "param_groups": state["param_groups"],
+            "fsdp_roots": consolidated,
+            "fsdp_root_param_ids": root_param_ids,
+        }
+
+    def _optimizer_state_off_rank_zero(self, optimizer: Optimizer) -> Dict[str, Any]:
+        # Only global rank 0 writes the checkpoint. With ``state_dict_on_rank_0_only=False`` the other ranks keep
+        # their local state in the checkpoint dict, as in Lightning 1.6.5, for hooks that read or edit it.
+        return {} if self.state_dict_on_rank_0_only else optimizer.state_dict()
+
+    def _consolidate_optimizer_state(
+        self, root: "FullyShardedDataParallel", state: Dict[str, Any], failure: _CollectiveFailure
+    ) -> Optional[Dict[str, Any]]:
+        if root.world_size > 1 and any(m.no_broadcast_optim_state for m in root.modules() if isinstance(m, FullyShardedDataParallel)):
+            return root.gather_full_optim_state_dict(_StateDictProvider(state))
+        return _gather_full_optimizer_state(root, state, failure)
+
+    def _gather_local_optimizer_states(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """Every rank's local optimizer state, on the CPU of global rank 0, received one rank at a time."""
+        local = apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu())
+        if self.world_size == 1:
+            return {"fsdp_per_rank": [local]}
+        states = [local]
+        for src in range(1, self.world_size):
+            if self.global_rank == src:
+                torch.distributed.send_object_list([local], dst=0, group=self.process_group)
+            elif self.global_rank == 0:
+                received: List[Any] = [None]
+                torch.distributed.recv_object_list(received, src=src, group=self.process_group)
+                states.append(received[0])
+        return {"fsdp_per_rank": states} if self.global_rank == 0 else {}
+
+    @staticmethod
+    def _is_rank_zero_shard(optimizer_state: Mapping[str, Any]) -> bool:
+        """Whether an optimizer state was saved as a rank's local shard (by Lightning <= 1.6.5), not consolidated.
+
+        Consolidated states carry ``fsdp_roots`` (or, as written by earlier versions of this strategy, FairScale's
+        ``param_id_map`` and ``uncollected_local_ids``); the plain ``optimizer.state_dict()`` of a shard has none.
+        """
+        markers = {"param_id_map", "uncollected_local_ids", "fsdp_roots", "fsdp_per_rank"}
+        return "param_groups" in optimizer_state and not markers & set(optimizer_state)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Loads each rank's part of the optimizer state saved by :meth:`optimizer_state`.
+
+        A consolidated state is re-sharded for the current world size, which may differ from the one it was saved
+        with. A per-rank state (``flatten_parameters=False``) needs the same world size. The state is placed on the
+        device of its parameter, so FSDP's ``cpu_offload`` keeps it on the CPU.
+
+        Checkpoints written by Lightning <= 1.6.5 hold only global rank 0's shard of the optimizer state. Their
+        per-parameter state (e.g. Adam's moments, SGD's momentum) cannot be restored and is left freshly
+        initialized, with a warning; the param group hyperparameters (e.g. the learning rate) are restored.
+
+        Args:
+            checkpoint: the loaded checkpoint, whose ``"optimizer_states"`` hold what :meth:`optimizer_state` saved.
+
+        Raises:
+            MisconfigurationException:
+                If the checkpoint's optimizer state does not fit the LightningModule's FSDP layout or processes.
+        """
+        layout = self._optimizer_state_layout()
+        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if "fsdp_per_rank" in opt_state:
+                saved = opt_state["fsdp_per_rank"]
+                if len(saved) != self.world_size:
+                    raise MisconfigurationException(
+                        f"The checkpoint holds the optimizer state of each of {len(saved)} processes separately,"
+                        " because it was saved with `flatten_parameters=False`, which FairScale cannot consolidate."
+                        f" It can only be resumed with {len(saved)} processes, not {self.world_size}."
+                    )
+                optimizer.load_state_dict(saved[self.global_rank])
+            elif layout == "replicated":
+                if "fsdp_roots" in opt_state or "param_id_map" in opt_state:
+                    raise MisconfigurationException(
+                        "The checkpoint holds the optimizer state of FSDP instances, but the LightningModule has none."
+                        " Wrap the model as it was wrapped when the checkpoint was saved."
+                    )
+                optimizer.load_state_dict(opt_state)
+            elif self._is_rank_zero_shard(opt_state):
+                rank_zero_warn(
+                    "The checkpoint's optimizer state is a plain `optimizer.state_dict()`, not the consolidated state"
+                    " `DDPFullyShardedStrategy` saves now: Lightning <= 1.6.5 saved global rank 0's shard of the FSDP"
+                    " parameters there, so loading it would give every rank rank 0's state. The per-parameter state of `{type(optimizer).__name__}` (e.g. momentum or"
+                    " running averages) is therefore not restored and starts fresh; its hyperparameters (e.g. the"
+                    " learning rate) are restored, and the model weights are loaded as usual."
+                )
+                for group, saved_group in zip(optimizer.param_groups, opt_state["param_groups"]):
+                    group.update({key: value for key, value in saved_group.items() if key != "params"})
+            elif layout == "per_rank":
+                raise MisconfigurationException(
+                    "The checkpoint holds a consolidated optimizer state, which FairScale can only re-shard with"
+                    " `flatten_parameters=True`, but the LightningModule has FSDP instances with"
+                    " `flatten_parameters=False`."
+                )
+            else:
+                optimizer.load_state_dict(self._reshard_optimizer_state(optimizer, opt_state))
+
+    def _reshard_optimizer_state(self, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> Dict[str, Any]:
+        """This rank's local ``optimizer.state_dict()`` from a consolidated state (see :meth:`optimizer_state`)."""
+        roots = self._outermost_fsdp_modules()
+        root_param_ids = self._optimizer_root_param_ids(optimizer)
+        if "fsdp_root_param_ids" in opt_state:
+            saved_roots = opt_state["fsdp_roots"]
+            saved_ids = opt_state["fsdp_root_param_ids"]
+            param_groups, state = opt_state["param_groups"], dict(opt_state["state"])
+        else:
+            # written by earlier versions of this strategy: one param group holding exactly the flat parameters of
+            # the outermost FSDP instances, one instance after the other (several of them under ``fsdp_roots``)
+            saved_roots = opt_state.get("fsdp_roots", [opt_state])
+            saved_ids, offset = [], 0
+            for root in roots:
+                count = len(list(root.parameters()))
+                saved_ids.append(list(range(offset, offset + count)))
+                offset += count
+            param_groups, state = [dict(saved_roots[0]["param_groups"][0], params=list(range(offset)))], {}
+        if len(saved_roots) != len(roots) or [list(ids) for ids in saved_ids] != root_param_ids:
+            raise MisconfigurationException(
+                f"The checkpoint holds the optimizer state of {len(saved_roots)} outermost FSDP instances with"
+                f" flat parameters {saved_ids} (as indices into the optimizer), but the LightningModule has"
+                f" {len(roots)} with {root_param_ids}. Wrap the model and create the optimizer as they were when"
+                " the checkpoint was saved."
+            )
+        for root, saved, param_ids in zip(roots, saved_roots, saved_ids):
+            for local_id, buffers in _shard_optimizer_state(root, saved)["state"].items():
+                state[param_ids[local_id]] = buffers
+        return {"state": state, "param_groups": param_groups}
+
+
+def _root_optimizer_state(state: Dict[str, Any], param_ids: List[Optional[int]]) -> Dict[str, Any]:
+    """The part of ``state`` (an ``optimizer.state_dict()``) that belongs to one outermost FSDP instance, keyed by the
+    local ids of its flat parameters, as FairScale expects from an optimizer built from that instance alone."""
+    return {
+        "state": {local_id: state["state"][i] for local_id, i in enumerate(param_ids) if i in state["state"]},
+        "param_groups": [dict(state["param_groups"][0], params=list(range(len(param_ids))))],
+    }
+
+
+def _gather_full_optimizer_state(
+    root: "FullyShardedDataParallel", state: Dict[str, Any], failure: Optional[_CollectiveFailure] = None
+) -> Optional[Dict[str, Any]]:
+    """FairScale's ``gather_full_optim_state_dict``, one FSDP instance at a time.
+
+    FairScale gathers the shards of every FSDP instance first and concatenates them afterwards, so global rank 0
+    briefly holds the whole optimizer state twice. Here rank 0 concatenates each instance's shards as soon as they
+    arrive and keeps views of the result, in FairScale's format (unflattened tensors, ``param_id_map``), so it
+    holds the full optimizer state once plus one instance in transit. The shards are gathered to rank 0 only (see
+    :func:`_gather_optim_state_to_rank_zero`). Collective; other ranks return ``None``.
+
+    With ``failure``, an exception of the local work of an instance on any rank (moving its state to the gather
+    device; on rank 0 the concatenation and the views) is recorded there and not raised: the rank keeps taking part
+    in the gathers of the remaining instances, sending zeros of the same shapes, skips their local work, and returns
+    ``None``. Without ``failure`` the exception is raised, after those gathers.
+    """
+    from fairscale.nn.data_parallel import get_fsdp_instances
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    recorded = failure if failure is not None else _CollectiveFailure()
+
+    root._lazy_init()
+    for buffers in state["state"].values():
+        if "step" in buffers and is_singleton_tensor(buffers["step"]):
+            buffers["step"] = buffers["step"].item()  # as FairScale stores it
+    instances = get_fsdp_instances(root, skip_empty=True)
+    if root.world_size > 1:
+        pad_info = root._broadcast_pad_info_to_r0()
+    else:
+        pad_info = [[list(m.numel_padded_per_param) for m in instances]]
+    unflat_state: Dict[int, Dict[str, Any]] = {}
+    param_id_map: Dict[int, Optional[int]] = {}
+    next_global_id = 0
+    for local_id, instance in enumerate(instances):
+        global_ids = list(range(next_global_id, next_global_id + instance.num_params_managed))
+        next_global_id += len(global_ids)
+        buffers = state["state"].get(local_id)
+        param_id_map.update({global_id: None if buffers is None else local_id for global_id in global_ids})
+        if buffers is None:
+            continue  # a parameter without optimizer state (unused), on every rank alike
+        if not recorded.failed:
+            with recorded.catch():
+                buffers = _optimizer_state_to_gather_device(buffers, root.compute_device)
+        if recorded.failed:
+            # the gathers below are collectives: take part with zeros of the same shapes
+            buffers = {name: torch.zeros_like(t) if torch.is_tensor(t) else t for name, t in buffers.items()}
+        tensors, singletons = _gather_optim_state_to_rank_zero(root, instance, local_id, buffers)
+        if root.rank != 0 or recorded.failed:
+            continue
+        with recorded.catch():
+            entries: List[Dict[str, Any]] = [{} for _ in global_ids]
+            for name, values in tensors[local_id].items():
+                if not torch.is_tensor(values[0]):
+                    for entry in entries:
+                        entry[name] = values[0]
+                    continue
+                pads = [rank_pads[local_id][0] for rank_pads in pad_info]
+                flat = torch.cat([t[:-pad] if pad > 0 else t for t, pad in zip(values, pads)])
+                for entry, view in zip(entries, instance.get_param_views([flat])):
+                    entry[name] = view
+            for entry in entries:
+                entry.update(singletons[local_id])
+            unflat_state.update(zip(global_ids, entries))
+    if recorded.failed:
+        unflat_state.clear()
+        if failure is None:
+            recorded.raise_if_failed()
+        return None
+    if root.rank != 0:
+        return None
+    consolidated = {key: value for key, value in state.items() if key not in ("state", "param_groups")}
+    consolidated["state"] = unflat_state
+    consolidated["param_groups"] = [dict(group, params=list(range(next_global_id))) for group in state["param_groups"]]
+    consolidated["param_id_map"] = param_id_map
+    consolidated["uncollected_local_ids"] = []
+    return consolidated
+
+
+def _optimizer_state_to_gather_device(buffers: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """One FSDP instance's optimizer state on ``device``, where FairScale gathers it (the compute device, also with
+    ``cpu_offload``): moved here, where running out of memory can be caught, rather than inside the gather."""
+    return {name: value.to(device) if torch.is_tensor(value) else value for name, value in buffers.items()}
+
+
+def _gather_optim_state_to_rank_zero(
+    root: "FullyShardedDataParallel", instance: "FullyShardedDataParallel", local_id: int, buffers: Dict[str, Any]
+) -> Tuple[Dict[int, Any], Dict[int, Any]]:
+    """What FairScale's ``_gather_optim_state`` returns on rank 0 of ``root``'s process group for the FSDP instance
+    ``local_id`` (its every rank's state tensors, and rank 0's other values), collected with
+    ``torch.distributed.gather`` instead of ``all_gather``: the other ranks never hold more than their own shard.
+    Collective; the other ranks get empty dicts.
+
+    A unit sharded over a process group of its own (``instance``, which FairScale allows, e.g. for experts) is
+    gathered by FairScale itself, over that group.
+    """
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    if root.world_size == 1:
+        return _local_optim_state(local_id, buffers)
+    if instance.process_group is not root.process_group:
+        return root._gather_optim_state({local_id: buffers})
+    tensors: Dict[str, List[Any]] = {}
+    singletons: Dict[str, List[Any]] = {}
+    for name, value in buffers.items():
+        if not torch.is_tensor(value):
+            tensors[name] = [value]
+            continue
+        gathered = _gather_to_rank_zero(value.to(root.compute_device), root.world_size, root.process_group)
+        if gathered is None:
+            continue
+        if is_singleton_tensor(value):
+            singletons[name] = [x.cpu().squeeze() for x in gathered]
+        else:
+            tensors[name] = [x.cpu() for x in gathered]
+    return {local_id: tensors}, {local_id: singletons}
+
+
+def _gather_to_rank_zero(tensor: torch.Tensor, world_size: int, group: Any) -> Optional[List[torch.Tensor]]:
+    """Every rank's ``tensor`` (all of one shape) on the first rank of ``group``, ``None`` on the others.
+    Collective."""
+    get_global_rank = getattr(torch.distributed, "get_global_rank", None)  # public since torch 2.0
+    if get_global_rank is None:
+        get_global_rank = torch.distributed.distributed_c10d._get_global_rank
+    dst = get_global_rank(group, 0) if group is not None else 0
+    if torch.distributed.get_rank() != dst:
+        torch.distributed.gather(tensor, None, dst=dst, group=group)
+        return None
+    gathered = [torch.empty_like(tensor) for _ in range(world_size)]
+    torch.distributed.gather(tensor, gathered, dst=dst, group=group)
+    return gathered
+
+
+def _local_optim_state(local_id: int, buffers: Dict[str, Any]) -> Tuple[Dict[int, Any], Dict[int, Any]]:
+    """What FairScale's ``_gather_optim_state`` returns on rank 0, for a single process, where it cannot gather."""
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    tensors: Dict[str, List[Any]] = {}
+    singletons: Dict[str, List[Any]] = {}
+    for name, value in buffers.items():
+        if is_singleton_tensor(value):
+            singletons[name] = [value.detach().to("cpu", copy=True).squeeze()]
+        else:
+            tensors[name] = [value.detach().cpu() if torch.is_tensor(value) else value]
+    return {local_id: tensors}, {local_id: singletons}
+
+
+def _shard_optimizer_state(root: "FullyShardedDataParallel", full_state: Dict[str, Any]) -> Dict[str, Any]:
+    """This rank's shard of a consolidated optimizer state, as FairScale's ``get_shard_from_optim_state_dict``
+    returns it, but built without materialising any full flat tensor.
+
+    FairScale first concatenates the unflattened tensors of every FSDP instance into full flat tensors and only then
+    takes this rank's slice, so every rank briefly holds the whole optimizer state. Here each rank copies just the
+    pieces of the (possibly memory-mapped) unflattened tensors that fall into its slice.
+    """
+    from fairscale.nn.data_parallel import get_fsdp_instances
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    # FairScale's own check counts the distinct flat parameters with state, so it refuses checkpoints in which
+    # several FSDP instances have none (frozen or unused); count the parameters and instances instead.
+    instances = get_fsdp_instances(root, skip_empty=True)
+    params = sum(m.num_params_managed for m in instances)
+    local_ids = {i for i in full_state["param_id_map"].values() if i is not None}
+    if len(full_state["param_id_map"]) != params or any(i >= len(instances) for i in local_ids):
+        raise MisconfigurationException(
+            f"The checkpoint's optimizer state covers {len(full_state['param_id_map'])} parameters in at least"
+            f" {max(local_ids, default=-1) + 1} FSDP instances, but the model has {params} parameters in"
+            f" {len(instances)} FSDP instances. Wrap the model as it was wrapped when the checkpoint was saved."
+        )
+    not_sharded = set(full_state["uncollected_local_ids"])
+    by_local_id: Dict[int, List[int]] = {}
+    for global_id, local_id in full_state["param_id_map"].items():
+        if local_id is not None:
+            by_local_id.setdefault(local_id, []).append(global_id)
+
+    state: Dict[int, Dict[str, Any]] = {}
+    for local_id, global_ids in sorted(by_local_id.items()):
+        buffers = [full_state["state"][g] for g in sorted(global_ids) if g in full_state["state"]]
+        if not buffers:
+            continue
+        state[local_id] = {}
+        for name in buffers[0]:
+            values = [b[name] for b in buffers]
+            if is_singleton_tensor(values[-1]):
+                state[local_id][name] = values[-1]
+            elif isinstance(values[-1], list) and values[-1] and is_singleton_tensor(values[-1][0]):
+                # one entry per rank that saved it; a larger world size takes the first one
+                per_rank = values[-1]
+                state[local_id][name] = per_rank[0] if root.rank >= len(per_rank) else per_rank[root.rank]
+            elif torch.is_tensor(values[-1]):
+                flat = [v.reshape(-1) for v in values]
+                if local_id in not_sharded:
+                    state[local_id][name] = torch.cat(flat)
+                else:
+                    state[local_id][name] = _flat_slice(flat, root.rank, root.world_size)
+            else:
+                # a non-tensor entry (e.g. an int ``step``) is the same for all parameters of one flat parameter
+                state[local_id][name] = values[-1]
+
+    sharded = {key: value for key, value in full_state.items() if key not in ("param_id_map", "uncollected_local_ids")}
+    sharded["state"] = state
+    params = list(range(len(by_local_id)))
+    sharded["param_groups"] = [dict(group, params=params) for group in full_state["param_groups"]]
+    return sharded
+
+
+def _flat_slice(tensors: List[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
+    """``torch.cat(tensors).chunk(world_size)[rank]``, zero-padded to the first chunk's size as FSDP pads its
+    shards, copying only the elements of that chunk."""
+    total = sum(t.numel() for t in tensors)
+    chunk = -(-total // world_size)
+    start, end = min(rank * chunk, total), min((rank + 1) * chunk, total)
+    pieces, offset = [], 0
+    for tensor in tensors:
+        lo, hi = max(start - offset, 0), min(end - offset, tensor.numel())
+        if lo < hi:
+            pieces.append(tensor[lo:hi])
+        offset += tensor.numel()
+    shard = torch.cat(pieces) if pieces else tensors[0].new_empty(0)
+    return torch.nn.functional.pad(shard, [0, chunk - shard.numel()])
+
+
+class _StateDictProvider:
+    """Hands a precomputed optimizer state dict to FairScale, which only calls ``state_dict()`` on the optimizer."""
+
+    def __init__(self, state: Dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self._state

@@ -1,0 +1,132 @@
+"""Restore after sharding: ``DDPFullyShardedStrategy`` restores the checkpoint once ``configure_sharded_model`` has
+created and wrapped the layers, and loads the full state dict into the sharded model one FSDP unit at a time.
+
+The hooks are ``DDPFullyShardedStrategy``'s base class, ``setup`` (which records the FSDP instances), and
+``Trainer._run`` (which restores before ``on_fit_start``).
+"""
+# fork-feature: fork/fsdp-restore-after-sharding.patch
+from typing import Any, List, Mapping
+
+import torch
+from typing_extensions import override
+
+from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
+from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.checkpoint_errors import _CollectiveFailure
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+
+if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+
+class FSDPRestoreAfterShardingMixin(DDPStrategy):
+    """Methods of ``DDPFullyShardedStrategy`` that restore a checkpoint into the sharded model."""
+
+    def _fsdp_modules(self) -> List["FullyShardedDataParallel"]:
+        return [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    def _reshard_lightning_module(self) -> None:
+        rank_zero_info(
+            "`on_load_checkpoint` replaced layers that `configure_sharded_model` had wrapped in FSDP: calling"
+            " `configure_sharded_model` again to shard the new layers before the checkpoint is loaded into them."
+        )
+        trainer = self.lightning_module.trainer
+        before = len(self._sharded_modules)
+        trainer._call_configure_sharded_model()
+        self._sharded_modules = self._fsdp_modules()
+        if len(self._sharded_modules) < before:
+            raise MisconfigurationException(
+                "`on_load_checkpoint` replaced layers that `configure_sharded_model` had wrapped in FSDP, and calling"
+                f" `configure_sharded_model` again left {len(self._sharded_modules)} FSDP instances instead of"
+                f" {before}, so the model would run unsharded. The checkpoint is restored after"
+                " `configure_sharded_model`: make it wrap layers that are not wrapped yet (for example, test"
+                " `isinstance(layer, FullyShardedDataParallel)` rather than a flag), or stop re-creating the layers in"
+                " `on_load_checkpoint`."
+            )
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.configure_ddp()
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore the checkpoint after :meth:`setup`, once ``configure_sharded_model`` has created and wrapped the
+        layers, so that the state dict keys of a model built there match those in the checkpoint."""
+        return True
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Loads the full (unsharded) model state from the checkpoint into the sharded model.
+
+        The FSDP instances are gathered one at a time (``summon_full_params(recurse=False)``), their own parameters
+        are copied from the checkpoint, and each rank keeps only its shard afterwards, so no rank ever holds more
+        than one gathered unit. Parameters outside FSDP and all buffers are loaded by ``load_state_dict``. Missing
+        and unexpected keys raise, as a strict ``load_state_dict`` does. This is a collective call: all ranks must
+        call it. If copying a unit's parameters fails on a rank, that rank still gathers the remaining units with the
+        others and raises once all of them are done.
+
+        Lightning 1.6.5 restored checkpoints before ``configure_sharded_model``, so LightningModules re-create their
+        unwrapped layers in ``on_load_checkpoint`` to load the full state dict into them. If that hook replaced
+        modules that ``configure_sharded_model`` had wrapped, the new layers are sharded first:
+        ``configure_sharded_model`` runs again, and the optimizers are created anew for the new parameters.
+
+        Args:
+            checkpoint: the loaded checkpoint, whose ``"state_dict"`` holds the full model state.
+        """
+        current = {id(m) for m in self._fsdp_modules()}
+        if any(id(m) not in current for m in self._sharded_modules):
+            self._reshard_lightning_module()
+        module = self.lightning_module
+        instances = [(name, m) for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+        if not instances:
+            return super().load_model_state_dict(checkpoint)
+        state_dict = checkpoint["state_dict"]
+        loaded, missing = set(), []
+        # ``summon_full_params`` is a collective: a rank whose local copy fails keeps gathering the remaining units
+        # with the other ranks, skips their copies, and raises at the end
+        failure = _CollectiveFailure()
+        with torch.no_grad():
+            for prefix, instance in instances:
+                nested = {
+                    id(p)
+                    for child in instance.modules()
+                    if child is not instance and isinstance(child, FullyShardedDataParallel)
+                    for p in child.parameters()
+                }
+                with instance.summon_full_params(recurse=False):
+                    if failure.failed:
+                        continue
+                    with failure.catch():
+                        for name, param in instance.named_parameters():
+                            if id(param) in nested:
+                                continue
+                            key = _clean_fsdp_key(f"{prefix}.{name}" if prefix else name)
+                            if key not in state_dict:
+                                missing.append(key)
+                                continue
+                            if param.shape != state_dict[key].shape:
+                                raise RuntimeError(
+                                    f"size mismatch for {key}: copying a param with shape"
+                                    f" {tuple(state_dict[key].shape)} from checkpoint, the shape in current model is"
+                                    f" {tuple(param.shape)}."
+                                )
+                            param.copy_(state_dict[key])
+                            loaded.add(key)
+        failure.raise_if_failed()
+        flat_ids = {id(p) for _, instance in instances for p in instance.params}
+        flat_names = {_clean_fsdp_key(n) for n, p in module.named_parameters() if id(p) in flat_ids}
+        rest = {key: value for key, value in state_dict.items() if key not in loaded}
+        result = module.load_state_dict(rest, strict=False)
+        missing += [key for key in result.missing_keys if _clean_fsdp_key(key) not in flat_names]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing},"
+                f" unexpected keys {result.unexpected_keys}."
+            )
+
+
+def _clean_fsdp_key(name: str) -> str:
+    # FSDP and its FlattenParamsWrapper insert these levels into parameter names; state dict keys omit them
+    return ".".join(part for part in name.split(".") if part not in ("_fsdp_wrapped_module", "_fpw_module"))

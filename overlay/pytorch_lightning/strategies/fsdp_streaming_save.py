@@ -1,0 +1,198 @@
+"""The streamed FSDP save: global rank 0 writes the checkpoint's structure, then every rank gathers the FSDP units
+and their optimizer state one at a time while rank 0 writes each into its place in the file, so that rank 0 holds
+about one unit instead of the whole checkpoint.
+
+The hooks are ``DDPFullyShardedStrategy``'s base class and ``save_checkpoint``, which calls
+:meth:`FSDPStreamingSaveMixin._save_checkpoint_if_streamed`.
+"""
+# fork-feature: fork/fsdp-streaming-save.patch
+from typing import Any, Dict, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
+from pytorch_lightning.strategies.fsdp_optimizer_state import _gather_to_rank_zero, _root_optimizer_state
+from pytorch_lightning.strategies.fsdp_restore import _clean_fsdp_key
+from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream, FSDPStreamDecisionMixin
+from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _CollectiveFailure
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities.streamed_checkpoint_file import _NotStreamable, _StreamedCheckpointFile
+from pytorch_lightning.utilities.types import _PATH
+
+if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+
+class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
+    """Methods of ``DDPFullyShardedStrategy`` that write a streamed checkpoint."""
+
+    def _save_checkpoint_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
+        """Write ``checkpoint`` while gathering the state its placeholders stand for, if this save was prepared to
+        stream (see ``stream_checkpoint``), and return whether it was. Collective then."""
+        stream, self._checkpoint_stream = getattr(self, "_checkpoint_stream", None), None
+        if stream is None or not stream.started or checkpoint.get("state_dict") is not stream.model_state_dict:
+            return False
+        self._save_checkpoint_streamed(checkpoint, filepath, stream)
+        return True
+
+    def _save_checkpoint_streamed(
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+    ) -> None:
+        """Global rank 0 writes the checkpoint's structure, then every rank gathers the FSDP units and their
+        optimizer state one at a time while rank 0 writes each into its place. Collective.
+
+        The file appears at ``filepath`` only if every rank succeeded; a failure on any rank leaves the previous
+        file untouched and is raised on that rank (``Trainer.save_checkpoint`` then raises it on every rank)."""
+        writer, error, decision = None, None, "stream"
+        if self.is_global_zero:
+            try:
+                writer = _StreamedCheckpointFile(filepath)
+                writer.write_skeleton(checkpoint, stream.placeholders())
+            except _NotStreamable as ex:
+                decision = f"whole: {ex}"
+            except Exception as ex:
+                error, decision = ex, "failed"
+            if decision != "stream" and writer is not None:
+                writer.discard()
+        # over the checkpoint group, so that the other ranks wait for rank 0 as long as `PL_CHECKPOINT_TIMEOUT` says
+        decision = _broadcast_failure(self, decision, src=0)
+        if decision == "failed":
+            if error is not None:
+                raise error
+            return
+        if decision != "stream":
+            rank_zero_info(
+                "`DDPFullyShardedStrategy`: the checkpoint is gathered on global rank 0 before it is written, not"
+                f" streamed, because {decision[len('whole: '):]}."
+            )
+            return self._save_checkpoint_gathered(checkpoint, filepath, stream)
+
+        failure = _CollectiveFailure()
+        try:
+            self._stream_model_state(stream, writer, failure)
+            if not stream.weights_only:
+                for index, optimizer in enumerate(self.optimizers):
+                    self._stream_optimizer_state(optimizer, index, stream, writer, failure)
+            failed_ranks = self._exchange_checkpoint_failure_flags(failure.failed)
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
+        if writer is not None:
+            if failed_ranks:
+                writer.discard()
+            else:
+                writer.commit()
+        failure.raise_if_failed()
+
+    def _save_checkpoint_gathered(
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+    ) -> None:
+        """Gather the state the placeholders of ``stream`` stand for, put it in their place and save the checkpoint
+        as a whole, as without ``stream_checkpoint``. Collective."""
+        self._checkpoint_stream = None
+        self._defer_checkpoint_errors = True
+        try:
+            state_dict = self.lightning_module_state_dict()
+            optimizer_states = [] if stream.weights_only else [self.optimizer_state(o) for o in self.optimizers]
+        finally:
+            self._defer_checkpoint_errors = False
+        error = self._pop_checkpoint_error()
+        if self._exchange_checkpoint_failure_flags(error is not None):
+            if error is not None:
+                raise error
+            return
+        if checkpoint.get("state_dict") is stream.model_state_dict:
+            checkpoint["state_dict"] = state_dict
+        saved = checkpoint.get("optimizer_states", [])
+        for i, (placeholder, state) in enumerate(zip(stream.optimizer_states, optimizer_states)):
+            if i < len(saved) and saved[i] is placeholder:
+                saved[i] = state
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+
+    def _stream_model_state(
+        self, stream: "_CheckpointStream", writer: Optional[Any], failure: _CollectiveFailure
+    ) -> None:
+        """Gather the FSDP instances one at a time (``summon_full_params(recurse=False)``), and on global rank 0
+        write each parameter into its placeholder's place in the file."""
+        written = set()
+        module = self.lightning_module
+        instances = [(name, m) for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+        with torch.no_grad():
+            for prefix, instance in instances:
+                with instance.summon_full_params(recurse=False, volatile=True):
+                    if writer is None or failure.failed:
+                        continue
+                    with failure.catch():
+                        nested = {
+                            id(p)
+                            for child in instance.modules()
+                            if child is not instance and isinstance(child, FullyShardedDataParallel)
+                            for p in child.parameters()
+                        }
+                        for name, param in instance.named_parameters(remove_duplicate=False):
+                            if id(param) in nested:
+                                continue
+                            key = _clean_fsdp_key(f"{prefix}.{name}" if prefix else name)
+                            placeholder = stream.model.get(key)
+                            same = placeholder is not None and (placeholder.shape, placeholder.dtype) == (
+                                param.shape,
+                                param.dtype,
+                            )
+                            if not same:
+                                raise RuntimeError(
+                                    f"The gathered parameter {key!r} ({tuple(param.shape)}, {param.dtype}) has no"
+                                    " matching entry in the checkpoint being streamed."
+                                )
+                            writer.write(placeholder, param)
+                            written.add(key)
+        if writer is not None and not failure.failed and written != set(stream.model):
+            failure.error = RuntimeError(
+                f"The FSDP instances gave no values for {sorted(set(stream.model) - written)} of the checkpoint."
+            )
+
+    def _stream_optimizer_state(
+        self,
+        optimizer: Optimizer,
+        index: int,
+        stream: "_CheckpointStream",
+        writer: Optional[Any],
+        failure: _CollectiveFailure,
+    ) -> None:
+        """Gather each FSDP instance's optimizer state onto global rank 0 (``torch.distributed.gather``, so the
+        other ranks only ever hold their own shard), one state tensor at a time, and write it into its placeholder's
+        place in the file there."""
+        from fairscale.nn.data_parallel import get_fsdp_instances
+        from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+        state = optimizer.state_dict()
+        roots = self._outermost_fsdp_modules()
+        for j, (root, param_ids) in enumerate(zip(roots, self._optimizer_root_param_ids(optimizer))):
+            local = _root_optimizer_state(state, param_ids)["state"]
+            for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
+                numel = sum(instance.params[0]._param_numels)
+                for name, value in local.get(local_id, {}).items():
+                    if not torch.is_tensor(value) or is_singleton_tensor(value):
+                        continue
+                    shard = None
+                    if not failure.failed:
+                        with failure.catch():
+                            shard = value.to(root.compute_device)
+                    if shard is None:
+                        # this rank failed: it still takes part in the gather
+                        shard = torch.zeros(value.shape, dtype=value.dtype, device=root.compute_device)
+                    if root.world_size > 1:
+                        shards = _gather_to_rank_zero(shard.reshape(-1), root.world_size, root.process_group)
+                    else:
+                        shards = [shard.reshape(-1)]
+                    if writer is None or failure.failed:
+                        continue
+                    with failure.catch():
+                        placeholder = stream.optimizer_placeholders[(index, j, local_id, name)]
+                        chunk = shards[0].numel()
+                        for rank, values in enumerate(shards):
+                            valid = min(max(numel - rank * chunk, 0), chunk)
+                            if valid:
+                                writer.write(placeholder, values[:valid], element_offset=rank * chunk)

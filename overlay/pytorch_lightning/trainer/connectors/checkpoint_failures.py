@@ -1,0 +1,147 @@
+"""Checkpoint errors on every rank, the ``CheckpointConnector`` side: a failed save or load raises the same
+:class:`~pytorch_lightning.utilities.exceptions.CheckpointError` on every rank instead of leaving the ranks that did
+not fail waiting in the next collective.
+
+The hooks are ``CheckpointConnector``'s base class and the call sites in ``resume_start``, ``restore_model``,
+``restore_optimizers`` and ``save_checkpoint``.
+"""
+# fork-feature: fork/checkpoint-errors-on-every-rank.patch
+from contextlib import contextmanager
+from typing import Any, Generator, Optional
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities.checkpoint_errors import (
+    _broadcast_failure,
+    _checkpoint_error_type,
+    _checkpoint_error_type_named,
+    _describe_error,
+    _error_type_name,
+    _exchange_failure_flags,
+)
+from pytorch_lightning.utilities.distributed import distributed_available
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.types import _PATH
+
+
+class CheckpointFailuresMixin:
+    """Methods of ``CheckpointConnector`` that turn a failure on one rank into a ``CheckpointError`` on all."""
+
+    trainer: "pl.Trainer"
+
+    @contextmanager
+    def _raising_on_every_rank(self, action: str, hint: Optional[str] = None) -> Generator[None, None, None]:
+        """Run the block; if it raised on any rank, raise the same ``CheckpointError`` on every rank (see
+        :meth:`_raise_on_all_ranks_if_any_failed`). Collective when more than one process runs.
+
+        Args:
+            action: what the block does, naming the checkpoint path.
+            hint: an optional sentence appended to the message.
+        """
+        error: Optional[Exception] = None
+        try:
+            yield
+        except Exception as ex:
+            error = ex
+        self._raise_on_all_ranks_if_any_failed(error, action, hint=hint)
+
+    @staticmethod
+    def _check_loaded_checkpoint(loaded_checkpoint: Any) -> None:
+        if not isinstance(loaded_checkpoint, dict):
+            raise TypeError(
+                f"Expected the checkpoint to be a `dict`, but it holds a `{type(loaded_checkpoint).__name__}`."
+            )
+
+    def _save_checkpoint_on_every_rank(
+        self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
+    ) -> None:
+        """``CheckpointConnector.save_checkpoint``: dump the checkpoint and let the strategy save it; a failure on
+        any rank raises on every rank when the strategy gathers the state on all of them (FSDP, DeepSpeed), else on
+        the failing rank alone."""
+        strategy = self.trainer.strategy
+        error: Optional[BaseException] = None
+        action = f"Saving the checkpoint to {str(filepath)!r}"
+        collective_strategies = (pl.strategies.DDPFullyShardedStrategy, pl.strategies.DeepSpeedStrategy)
+        collective = isinstance(strategy, collective_strategies)
+        # a rank that fails inside a per-unit loop of gathering the state keeps taking part in the loop's collectives
+        # and in those that follow: the strategy keeps the error until ``dump_checkpoint`` is done
+        strategy._defer_checkpoint_errors = collective
+        try:
+            _checkpoint = self.dump_checkpoint(weights_only)
+        except Exception as ex:
+            error = ex
+        finally:
+            strategy._defer_checkpoint_errors = False
+        # a failure inside a per-unit loop of gathering the state, kept by the strategy until every rank has been
+        # through all of its collectives (the model's state dict, then one consolidation per optimizer)
+        pop_error = getattr(strategy, "_pop_checkpoint_error", None)
+        pending = pop_error() if callable(pop_error) else None
+        if isinstance(pending, BaseException):
+            error = pending
+        if collective:
+            # Collective: the ranks agree that the state was gathered everywhere before anything is written, so that
+            # a failure on one rank never replaces the previous checkpoint with an incomplete one.
+            self._raise_on_all_ranks_if_any_failed(error, action)
+        elif error is not None:
+            # other strategies let users call ``trainer.save_checkpoint`` on rank 0 alone, where a collective would hang
+            self._raise_on_all_ranks_if_any_failed(error, action, collective=False)
+        try:
+            strategy.save_checkpoint(_checkpoint, filepath, storage_options=storage_options)
+        except Exception as ex:
+            error = ex
+        if not collective:
+            self._raise_on_all_ranks_if_any_failed(error, action, collective=False)
+            return
+        # These strategies gather the state on every rank, so every rank is here. Collective: the ranks that did not
+        # write learn whether the write succeeded, so that a failure stops every rank at once instead of leaving them
+        # waiting in the next collective until the process group times out.
+        self._raise_on_all_ranks_if_any_failed(error, action)
+
+    def _raise_on_all_ranks_if_any_failed(
+        self, error: Optional[BaseException], action: str, hint: Optional[str] = None, collective: bool = True
+    ) -> None:
+        """Raise the same :class:`~pytorch_lightning.utilities.exceptions.CheckpointError` on every rank if
+        ``error`` is set on any rank.
+
+        This is a collective call when more than one process runs: every rank must call it, whether it failed or
+        not. It costs one small ``all_gather``, plus one ``broadcast`` of the error message and of the name of the
+        error's type when a rank failed, over the strategy's checkpoint process group if it has one (see
+        :func:`_exchange_failure_flags`).
+
+        Args:
+            error: the exception this rank raised, or ``None`` if it succeeded.
+            action: what failed, naming the checkpoint path, e.g. ``"Saving the checkpoint to 'last.ckpt'"``.
+            hint: an optional sentence appended to the message.
+            collective: ``False`` raises on this rank only, without communicating.
+
+        The error raised is also an instance of the original error's type (the failing rank's own, the first
+        failing rank's on the others), so that ``except FileNotFoundError:`` and the like catch it as they did before.
+        A ``MisconfigurationException`` is a user error, not a failed write: the rank that raised it re-raises it
+        unchanged, after the other ranks have been told.
+        """
+        suffix = f" {hint}" if hint else ""
+        if not collective or not distributed_available() or self.trainer.world_size < 2:
+            if isinstance(error, MisconfigurationException):
+                raise error
+            if error is not None:
+                message = f"{action} failed: {_describe_error(error)}.{suffix}"
+                raise _checkpoint_error_type(type(error))(message) from error
+            return
+
+        strategy = self.trainer.strategy
+        failed_ranks = _exchange_failure_flags(strategy, error is not None)
+        if not failed_ranks:
+            return
+        if isinstance(error, MisconfigurationException):
+            raise error
+        src = failed_ranks[0]
+        failure = (_describe_error(error), *_error_type_name(error)) if self.trainer.global_rank == src else None
+        cause, module, qualname = _broadcast_failure(strategy, failure, src)
+        message = f"{action} failed on global rank {src}: {cause}."
+        if len(failed_ranks) > 1:
+            message += f" It also failed on global ranks {failed_ranks[1:]}."
+        if error is None:
+            message += " This rank stops too, so that no rank waits for the others."
+            error_type = _checkpoint_error_type_named(module, qualname)
+        else:
+            error_type = _checkpoint_error_type(type(error))
+        raise error_type(message + suffix) from error

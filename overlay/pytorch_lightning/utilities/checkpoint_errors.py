@@ -1,0 +1,265 @@
+"""Checkpoint errors on every rank: the ranks tell each other whether a step of saving or loading a checkpoint failed,
+over a gloo group of their own, and all raise the same
+:class:`~pytorch_lightning.utilities.exceptions.CheckpointError`, which is also an instance of the original error's
+type.
+
+The hooks are ``CheckpointConnector`` (through
+:class:`~pytorch_lightning.trainer.connectors.checkpoint_failures.CheckpointFailuresMixin`) and
+``DDPFullyShardedStrategy`` (through :class:`~pytorch_lightning.strategies.fsdp_checkpoint_errors.FSDPCheckpointErrorsMixin`).
+"""
+# fork-feature: fork/checkpoint-errors-on-every-rank.patch
+import importlib
+import math
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Type
+
+import torch
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
+
+
+_CHECKPOINT_ERROR_TYPES: Dict[Type[BaseException], Type[CheckpointError]] = {}
+
+
+def _checkpoint_error_init(self: CheckpointError, message: str = "") -> None:
+    # the original type's ``__init__`` may want other arguments (``UnicodeDecodeError``) or parse them (``OSError``)
+    BaseException.__init__(self, message)
+
+
+def _checkpoint_error_str(self: CheckpointError) -> str:
+    # the original type's ``__str__`` may quote the message (``KeyError``) or read attributes that are not set
+    return BaseException.__str__(self)
+
+
+def _checkpoint_error_reduce(self: CheckpointError) -> Tuple[Any, ...]:
+    # the class is created at runtime, so pickle rebuilds it by the original type's name instead of its own
+    original = self._original_type
+    return _rebuild_checkpoint_error, (original.__module__, original.__qualname__, self.args), self.__dict__
+
+
+def _checkpoint_error_type(original: Type[BaseException]) -> Type[CheckpointError]:
+    """The subclass of both :class:`CheckpointError` and ``original`` to raise for an error of type ``original``, or
+    :class:`CheckpointError` itself where there can be no such class. Created once per type.
+
+    Args:
+        original: the type of the error that saving or loading the checkpoint raised.
+    """
+    original = getattr(original, "_original_type", original)
+    if not issubclass(original, Exception) or issubclass(CheckpointError, original):
+        return CheckpointError
+    error_type = _CHECKPOINT_ERROR_TYPES.get(original)
+    if error_type is None:
+        namespace = {
+            "__module__": CheckpointError.__module__,
+            "__qualname__": f"{CheckpointError.__qualname__}[{original.__qualname__}]",
+            "__init__": _checkpoint_error_init,
+            "__str__": _checkpoint_error_str,
+            "__reduce__": _checkpoint_error_reduce,
+            "_original_type": original,
+        }
+        try:
+            name = f"{CheckpointError.__name__}[{original.__name__}]"
+            error_type = type(name, (CheckpointError, original), namespace)
+            error_type("")  # some types cannot be built from a message alone (``ExceptionGroup``)
+        except Exception:
+            # not subclassable, a layout or metaclass conflict, or a constructor that insists on other arguments
+            error_type = CheckpointError
+        _CHECKPOINT_ERROR_TYPES[original] = error_type
+    return error_type
+
+
+def _checkpoint_error_type_named(module: str, qualname: str) -> Type[CheckpointError]:
+    """:func:`_checkpoint_error_type` of the exception type ``module.qualname``, or :class:`CheckpointError` if there
+    is no such importable type; used by the ranks that only know the failing rank's error by its type's name.
+
+    Args:
+        module: the ``__module__`` of the type.
+        qualname: the ``__qualname__`` of the type.
+    """
+    try:
+        original: Any = importlib.import_module(module)
+        for name in qualname.split("."):
+            original = getattr(original, name)
+    except Exception:
+        return CheckpointError
+    if not isinstance(original, type) or not issubclass(original, BaseException):
+        return CheckpointError
+    return _checkpoint_error_type(original)
+
+
+def _error_type_name(error: BaseException) -> Tuple[str, str]:
+    """The module and qualified name of the type of ``error``, seen through a ``CheckpointError[...]``."""
+    original = getattr(type(error), "_original_type", type(error))
+    return original.__module__, original.__qualname__
+
+
+def _rebuild_checkpoint_error(module: str, qualname: str, args: Tuple[Any, ...]) -> CheckpointError:
+    return _checkpoint_error_type_named(module, qualname)(*args)
+
+
+#: Environment variable with the number of seconds the ranks wait for each other when they exchange whether saving
+#: or loading a checkpoint failed (for example while global rank 0 alone writes the file).
+CHECKPOINT_TIMEOUT_ENV = "PL_CHECKPOINT_TIMEOUT"
+
+
+#: Two hours: twelve times NCCL's default of ten minutes, enough to stream and ``fsync`` a checkpoint of several hundred
+#: GB to a slow filesystem, and still finite, so that a rank 0 that really hangs is detected the same day.
+DEFAULT_CHECKPOINT_TIMEOUT = timedelta(hours=2)
+
+
+def _checkpoint_timeout() -> timedelta:
+    """How long the ranks wait for each other in the checkpoint failure-flag exchange: ``PL_CHECKPOINT_TIMEOUT``
+    seconds if set, else :data:`DEFAULT_CHECKPOINT_TIMEOUT`.
+
+    Raises:
+        MisconfigurationException:
+            If ``PL_CHECKPOINT_TIMEOUT`` is not a positive, finite number of seconds.
+    """
+    value = os.environ.get(CHECKPOINT_TIMEOUT_ENV)
+    if value is None or not value.strip():
+        return DEFAULT_CHECKPOINT_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise MisconfigurationException(
+            f"`{CHECKPOINT_TIMEOUT_ENV}` must be a positive, finite number of seconds, got {value!r}."
+        )
+    return timedelta(seconds=seconds)
+
+
+def _new_checkpoint_process_group() -> Optional[Any]:
+    """A gloo process group of all ranks whose timeout is :func:`_checkpoint_timeout`, for the checkpoint
+    failure-flag exchange, or ``None`` when not running distributed (then the strategy's own collectives are used).
+
+    While global rank 0 alone writes a checkpoint, the other ranks wait for it in that exchange; over this group the
+    wait does not depend on the default process group's timeout (NCCL's is ten minutes in most builds). This is a
+    collective call: every rank must call it, at the same point.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if torch.distributed.get_world_size() < 2 or not torch.distributed.is_gloo_available():
+        return None
+    return torch.distributed.new_group(backend="gloo", timeout=_checkpoint_timeout())
+
+
+def _available_host_memory() -> Optional[int]:
+    """The bytes of host memory available for new allocations (``MemAvailable`` in ``/proc/meminfo``), or ``None``
+    where that cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _CollectiveFailure:
+    """Records the first exception of this rank in a sequence of collective steps, so that the rank keeps taking
+    part in the remaining collectives and raises only once every rank has been through all of them.
+
+    Wrap the local work of each step in :meth:`catch` and skip it once :attr:`failed`; the collectives themselves run
+    on every rank regardless, with placeholder inputs on a rank that failed. Call :meth:`raise_if_failed` at the end.
+    """
+
+    def __init__(self) -> None:
+        self.error: Optional[Exception] = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @contextmanager
+    def catch(self) -> Generator[None, None, None]:
+        """Record an exception raised inside the block (the first one only) instead of propagating it."""
+        try:
+            yield
+        except Exception as ex:
+            if self.error is None:
+                self.error = ex
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+@contextmanager
+def _catching_state_dict_hooks(
+    modules: List[torch.nn.Module], failure: _CollectiveFailure
+) -> Generator[None, None, None]:
+    """Within the block, an exception of a state-dict hook of ``modules`` is recorded in ``failure`` instead of
+    escaping. For FSDP units the hook is FairScale's ``_post_state_dict_hook``, the local part of each unit's gather
+    (it copies the gathered tensors), so the rank goes on into the gathers of the remaining units as the other ranks
+    do. Once ``failure`` is set, the hooks are skipped and the entries of their modules dropped.
+
+    Args:
+        modules: the modules whose registered state-dict hooks are wrapped.
+        failure: where the first exception is recorded.
+    """
+    originals = [(module, dict(module._state_dict_hooks)) for module in modules]
+
+    def catching(hook: Callable) -> Callable:
+        def hook_or_record(module: torch.nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> Any:
+            if not failure.failed:
+                with failure.catch():
+                    return hook(module, state_dict, prefix, *args)
+            for key in [key for key in state_dict if key.startswith(prefix)]:
+                del state_dict[key]
+            return None
+
+        hook_or_record._from_public_api = getattr(hook, "_from_public_api", False)
+        return hook_or_record
+
+    try:
+        for module, hooks in originals:
+            for key, hook in hooks.items():
+                module._state_dict_hooks[key] = catching(hook)
+        yield
+    finally:
+        for module, hooks in originals:
+            for key, hook in hooks.items():
+                if key in module._state_dict_hooks:
+                    module._state_dict_hooks[key] = hook
+
+
+def _describe_error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).rstrip('.')}"
+
+
+def _checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[Any]:
+    group = getattr(strategy, "_checkpoint_process_group", None)
+    return group if isinstance(group, getattr(torch.distributed, "ProcessGroup", ())) else None
+
+
+def _exchange_failure_flags(strategy: "pl.strategies.Strategy", failed: bool) -> List[int]:
+    """The global ranks on which a checkpoint step failed. Collective.
+
+    Uses the strategy's ``_checkpoint_process_group`` if it has one (a gloo group whose timeout is
+    ``PL_CHECKPOINT_TIMEOUT``, see :func:`~pytorch_lightning.utilities.distributed._new_checkpoint_process_group`), so
+    that the ranks waiting here for global rank 0 to write the file do not depend on the default group's timeout.
+    """
+    group = _checkpoint_process_group(strategy)
+    if group is None:
+        flags = strategy.all_gather(torch.tensor(int(failed), device=strategy.root_device))
+        return torch.nonzero(flags.reshape(-1)).reshape(-1).tolist()
+    gathered = [torch.zeros(1, dtype=torch.int32) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, torch.tensor([int(failed)], dtype=torch.int32), group=group)
+    return [rank for rank, flag in enumerate(gathered) if flag.item()]
+
+
+def _broadcast_failure(strategy: "pl.strategies.Strategy", failure: Optional[Tuple[str, str, str]], src: int) -> Any:
+    """``failure`` (the description of the error and the module and name of its type) of global rank ``src`` on every
+    rank, over the group :func:`_exchange_failure_flags` used."""
+    group = _checkpoint_process_group(strategy)
+    if group is None:
+        return strategy.broadcast(failure, src=src)
+    received = [failure]
+    torch.distributed.broadcast_object_list(received, src=src, group=group)
+    return received[0]

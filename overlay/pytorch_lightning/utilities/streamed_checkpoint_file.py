@@ -1,0 +1,167 @@
+"""The streamed checkpoint file: a local checkpoint written in two steps, its structure first and the values of its
+pending tensors later, as the FSDP units they belong to are gathered one at a time.
+
+Used by :class:`~pytorch_lightning.strategies.fsdp_streaming_save.FSDPStreamingSaveMixin`; the file is made,
+committed and discarded as :func:`~pytorch_lightning.utilities.atomic_save.save_atomically` does.
+"""
+# fork-feature: fork/fsdp-streaming-save.patch
+import ctypes
+import inspect
+import os
+import zipfile
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+
+from pytorch_lightning.utilities.atomic_save import (
+    _create_temporary_file,
+    _fsync_directory,
+    remove_stale_temporary_files,
+)
+from pytorch_lightning.utilities.cloud_io import _TORCH_LOAD_KWARGS
+from pytorch_lightning.utilities.types import _PATH
+
+
+def _streamed_save_available() -> bool:
+    """Whether this torch can write a checkpoint's structure before its data (``skip_data`` with FakeTensors,
+    torch >= 2.5), which :class:`_StreamedCheckpointFile` needs."""
+    skip_data = getattr(torch.serialization, "skip_data", None)
+    return skip_data is not None and "materialize_fake_tensors" in inspect.signature(skip_data).parameters
+
+
+class _NotStreamable(Exception):
+    """The checkpoint cannot be written by :class:`_StreamedCheckpointFile`, and is saved whole instead."""
+
+
+class _StreamedCheckpointFile:
+    """A local checkpoint file written in two steps: its structure first, the values of its *pending* tensors
+    later, as they become available, so that they never need to be in memory all at once.
+
+    Pending tensors are placeholders (``FakeTensor``\\ s, which have a shape and a dtype but no data) in the
+    checkpoint dict. :meth:`write_skeleton` saves the dict with :func:`torch.save` under
+    ``torch.serialization.skip_data``, which reserves the space of every tensor without writing it, then writes the
+    data of every other tensor right away; :meth:`write` puts the values of a pending tensor (or a part of them) in
+    place with ``pwrite``. The result is an ordinary ``torch.save`` file, except that the CRC-32 fields of its zip
+    records are not set (``torch.load`` does not check them).
+
+    As with :func:`atomic_save`, everything is written into a new temporary file in the destination directory:
+    :meth:`commit` flushes and ``fsync``-s it and renames it over ``path``; :meth:`discard` removes it, leaving any
+    earlier file at ``path`` untouched. Written data is flushed to disk every ``flush_bytes`` and dropped from the
+    page cache, so that a memory-limited container is not charged for the whole file.
+
+    Args:
+        path: the local path the checkpoint is saved to.
+        flush_bytes: how many bytes to write between flushes.
+    """
+
+    def __init__(self, path: _PATH, flush_bytes: int = 64 * 2**20) -> None:
+        # Write through a symlink to its target, as ``atomic_save`` does.
+        self.path = os.path.realpath(str(path))
+        self._dirname = os.path.dirname(self.path)
+        os.makedirs(self._dirname, exist_ok=True)
+        remove_stale_temporary_files(self._dirname)
+        self.tmp_path, self._fd = _create_temporary_file(self._dirname, os.path.basename(self.path))
+        self._flush_bytes = flush_bytes
+        self._unflushed = 0
+        self._offsets: Dict[int, int] = {}
+
+    def write_skeleton(self, checkpoint: Dict[str, Any], pending: List[torch.Tensor]) -> None:
+        """Save ``checkpoint``, leaving room for the values of the ``pending`` tensors.
+
+        Raises:
+            _NotStreamable: if a pending tensor is not in ``checkpoint``, or a tensor is out of reach (inside an
+                object other than a dict, list or tuple), so its data could not be written.
+        """
+        skip_data = torch.serialization.skip_data(materialize_fake_tensors=True)
+        with os.fdopen(self._fd, "wb", closefd=False) as f, skip_data:
+            torch.save(checkpoint, f)
+        # Loaded onto the meta device, the skeleton's storages tell where their data lies in the file.
+        try:
+            skeleton = torch.load(self.tmp_path, map_location="meta", **_TORCH_LOAD_KWARGS)
+        except Exception as ex:
+            # e.g. ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` and hyperparameters that are not allowlisted
+            raise _NotStreamable(f"the file's structure cannot be read back ({type(ex).__name__}: {ex})") from ex
+        pending_keys = {t.untyped_storage()._cdata for t in pending}
+        written = set()
+        for tensor, reserved in _paired_tensors(checkpoint, skeleton):
+            offset = getattr(reserved.untyped_storage(), "_checkpoint_offset", None)
+            if offset is None:
+                raise _NotStreamable("this torch does not report where a tensor's data lies in the file")
+            key = tensor.untyped_storage()._cdata
+            self._offsets[key] = offset
+            if key not in pending_keys and offset not in written:
+                storage = tensor.untyped_storage().cpu()
+                self._pwrite(_memory_of(storage.data_ptr(), storage.nbytes()), offset)
+            written.add(offset)
+        with zipfile.ZipFile(self.tmp_path) as archive:
+            records = sum(1 for name in archive.namelist() if name.split("/")[-2:-1] == ["data"])
+        if len(written) != records or not pending_keys <= set(self._offsets):
+            raise _NotStreamable("some tensors of the checkpoint are not in a dict, list or tuple")
+        self.flush()
+
+    def write(self, placeholder: torch.Tensor, values: torch.Tensor, element_offset: int = 0) -> None:
+        """Write ``values`` into the storage of the pending tensor ``placeholder``, starting at its element
+        ``element_offset``."""
+        values = values.detach().cpu().contiguous()
+        offset = self._offsets[placeholder.untyped_storage()._cdata] + element_offset * placeholder.element_size()
+        self._pwrite(_memory_of(values.data_ptr(), values.numel() * values.element_size()), offset)
+        if self._unflushed >= self._flush_bytes:
+            self.flush()
+
+    def _pwrite(self, data: Any, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+            self._unflushed += written
+
+    def flush(self) -> None:
+        """Write the data written so far to disk and drop it from the page cache."""
+        os.fdatasync(self._fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self._unflushed = 0
+
+    def commit(self) -> None:
+        """Make the file durable and rename it over ``path``."""
+        try:
+            os.fsync(self._fd)
+            os.replace(self.tmp_path, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        os.close(self._fd)
+        self._fd = -1
+        _fsync_directory(self._dirname)
+
+    def discard(self) -> None:
+        """Remove the temporary file; the file at ``path``, if any, is left as it was."""
+        if self._fd < 0:
+            return
+        try:
+            os.remove(self.tmp_path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _paired_tensors(obj: Any, twin: Any) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """The tensors of ``obj`` with those at the same place in ``twin``, a copy of ``obj``; only dicts, lists and
+    tuples are looked into."""
+    if isinstance(obj, torch.Tensor):
+        yield obj, twin
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _paired_tensors(value, twin[key])
+    elif isinstance(obj, (list, tuple)):
+        for value, value_twin in zip(obj, twin):
+            yield from _paired_tensors(value, value_twin)
+
+
+def _memory_of(address: int, size: int) -> memoryview:
+    """The ``size`` bytes of CPU memory at ``address``, without a copy. Unlike ``Tensor.numpy()``, this leaves the
+    tensor's storage resizable, which FSDP needs to free its gathered parameters."""
+    if size == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
