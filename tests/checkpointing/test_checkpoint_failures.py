@@ -124,6 +124,24 @@ def test_missing_checkpoint_is_still_a_file_not_found_error(tmp_path):
     assert isinstance(info.value.__cause__, FileNotFoundError)
 
 
+class EmptyIteratorIO(TorchCheckpointIO):
+    def load_checkpoint(self, path, map_location=None):
+        return next(iter(()))  # e.g. a custom loader that finds no shard
+
+
+def test_stop_iteration_while_loading_is_a_checkpoint_error(tmp_path):
+    """A ``StopIteration`` raised while loading stays a ``CheckpointError[StopIteration]`` naming the path (raised
+    from a generator, Python would turn it into a ``RuntimeError``)."""
+    path = tmp_path / "model.ckpt"
+    trainer = _trainer(tmp_path)
+    trainer.fit(SGDModel())
+    trainer.save_checkpoint(path)
+    trainer = _trainer(tmp_path, max_epochs=2, plugins=[EmptyIteratorIO()])
+    with pytest.raises(CheckpointError, match="Loading the checkpoint from .*model.ckpt.* failed: StopIteration") as info:
+        trainer.fit(SGDModel(), ckpt_path=str(path))
+    assert isinstance(info.value, StopIteration)
+
+
 @pytest.mark.parametrize(
     "original, args",
     [

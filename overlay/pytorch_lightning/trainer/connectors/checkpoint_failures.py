@@ -6,8 +6,7 @@ The hooks are ``CheckpointConnector``'s base class and the call sites in ``resum
 ``restore_optimizers`` and ``save_checkpoint``.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
-from contextlib import contextmanager
-from typing import Any, Generator, Optional
+from typing import Any, Optional
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.checkpoint_errors import (
@@ -28,21 +27,15 @@ class CheckpointFailuresMixin:
 
     trainer: "pl.Trainer"
 
-    @contextmanager
-    def _raising_on_every_rank(self, action: str, hint: Optional[str] = None) -> Generator[None, None, None]:
-        """Run the block; if it raised on any rank, raise the same ``CheckpointError`` on every rank (see
-        :meth:`_raise_on_all_ranks_if_any_failed`). Collective when more than one process runs.
+    def _raising_on_every_rank(self, action: str, hint: Optional[str] = None) -> "_RaisingOnEveryRank":
+        """A context manager: run the block; if it raised on any rank, raise the same ``CheckpointError`` on every
+        rank (see :meth:`_raise_on_all_ranks_if_any_failed`). Collective when more than one process runs.
 
         Args:
             action: what the block does, naming the checkpoint path.
             hint: an optional sentence appended to the message.
         """
-        error: Optional[Exception] = None
-        try:
-            yield
-        except Exception as ex:
-            error = ex
-        self._raise_on_all_ranks_if_any_failed(error, action, hint=hint)
+        return _RaisingOnEveryRank(self, action, hint)
 
     @staticmethod
     def _check_loaded_checkpoint(loaded_checkpoint: Any) -> None:
@@ -145,3 +138,20 @@ class CheckpointFailuresMixin:
         else:
             error_type = _checkpoint_error_type(type(error))
         raise error_type(message + suffix) from error
+
+
+class _RaisingOnEveryRank:
+    """See :meth:`CheckpointFailuresMixin._raising_on_every_rank`. A class rather than a generator: a
+    ``CheckpointError[StopIteration]`` raised from a generator would turn into a ``RuntimeError``."""
+
+    def __init__(self, connector: CheckpointFailuresMixin, action: str, hint: Optional[str]) -> None:
+        self.connector, self.action, self.hint = connector, action, hint
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, error: Optional[BaseException], traceback: Any) -> bool:
+        if error is not None and not isinstance(error, Exception):
+            return False  # ``KeyboardInterrupt`` and the like stop this rank as they are
+        self.connector._raise_on_all_ranks_if_any_failed(error, self.action, hint=self.hint)
+        return False
