@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from fork_tools.overlay import FORK_GROUP, OVERLAY_DIR, apply_overlay, builds_fork, read_overlay
+from fork_tools.overlay import OVERLAY_DIR, apply_overlay, for_series, read_overlay
 from fork_tools.revision import read_revision
 from fork_tools.series import PATCH_DIR, Patch, Tree, apply_series, read_series
 from fork_tools.upstream import ROOT, BuildError, Pin, fetch_wheel, read_pin
@@ -65,12 +65,11 @@ def inputs_digest(
 ) -> str:
     """What a tree is built from: the wheel, the revision, the patches and the overlay modules it carries.
 
-    ``overlay`` defaults to ``overlay_dir``'s modules when ``patches`` include the fork group, as ``materialize``
+    ``overlay`` defaults to the modules of ``overlay_dir`` that a build of ``patches`` contains, as ``materialize``
     builds them, so a caller holding only the patch list gets the digest of the matching build.
     """
     if overlay is None:
-        fork = any(patch.name.split("/", 1)[0] == FORK_GROUP for patch in patches)
-        overlay = read_overlay(overlay_dir) if fork else {}
+        overlay = for_series(read_overlay(overlay_dir), [patch.name for patch in patches], patch_dir)
     digest = hashlib.sha256(pin.sha256.encode())
     digest.update(str(read_revision(patch_dir)).encode() + b"\0")
     for patch in patches:
@@ -152,7 +151,7 @@ def materialize(
     ``force`` is given. ``groups`` builds only those groups of the series, e.g. ``("compat",)`` for upstream 1.6.5
     as it runs on today's stack (the checkpoint-memory benchmark's baseline); such a tree's version carries the
     groups (``...+fsdp.<revision>.compat``), so it is never mistaken for the fork. The overlay modules of
-    ``overlay_dir`` are added after the patches when the fork group is built, and only then.
+    ``overlay_dir`` are added after the patches, those of the features built (``overlay.for_series``).
     """
     pin = read_pin()
     series = read_series(patch_dir)
@@ -161,7 +160,7 @@ def materialize(
     if groups is not None:
         patches = series_groups(series, groups)
         version += "." + ".".join(groups)
-    overlay = read_overlay(overlay_dir) if builds_fork(groups) else {}
+    overlay = for_series(read_overlay(overlay_dir), [patch.name for patch in patches], patch_dir)
     inputs = inputs_digest(pin, patches, patch_dir, overlay)
     stamp = _read_stamp(root)
     if stamp is not None and not force:
@@ -178,6 +177,6 @@ def materialize(
     tree = pristine_tree(pin)
     apply_series(tree, patches)
     if overlay:
-        apply_overlay(tree, overlay, [patch.name for patch in series], overlay_dir)
+        apply_overlay(tree, overlay, [patch.name for patch in patches], overlay_dir)
     write_tree(tree, root, version, inputs)
     return version

@@ -12,7 +12,9 @@ Rules, enforced by ``materialize`` (a BuildError) and ``check`` (one line each):
 - only Python modules under ``pytorch_lightning/``: MANIFEST.in ships ``overlay/**/*.py`` and nothing else, so any
   other file would be missing from an sdist build.
 
-The overlay is part of the fork group: builds without ``fork`` (``groups=("compat",)``) contain none of it.
+A module belongs to its feature: a build whose series lacks the feature's patch (``groups=("compat",)``, or a
+``patches/series`` cut down to some patches, as upstream's test oracle builds compat-only) contains none of its
+modules. A module naming a patch that does not exist at all is an error.
 """
 import ast
 import re
@@ -88,6 +90,20 @@ def features(text: str) -> List[str]:
         body = body[1:]  # the docstring may come first
     head = lines[: body[0].lineno - 1] if body else lines
     return [m.group("name") for m in map(FEATURE_LINE.match, head) if m]
+
+
+def for_series(overlay: Tree, series: Iterable[str], patch_dir: Optional[Path] = None) -> Tree:
+    """The modules of ``overlay`` that a build of ``series`` (patch names) contains: all but those whose feature is
+    an existing ``fork/`` patch in ``patch_dir`` that ``series`` leaves out. Modules without a valid feature line
+    stay, so that the build reports them."""
+    built = set(series)
+    kept: Tree = {}
+    for rel, text in overlay.items():
+        names = features(text)
+        left_out = len(names) == 1 and names[0] not in built and names[0].split("/", 1)[0] == FORK_GROUP
+        if not (left_out and patch_dir is not None and (patch_dir / names[0]).is_file()):
+            kept[rel] = text
+    return kept
 
 
 def overlay_problems(overlay: Tree, tree: Tree, series: Iterable[str], overlay_dir: Path = OVERLAY_DIR) -> List[str]:

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 from fork_tools.materialize import PACKAGE, fork_version, inputs_digest, pristine_tree, read_tree, write_tree
 from fork_tools.mixins import mixin_problems
-from fork_tools.overlay import OVERLAY_DIR, apply_overlay, features, overlay_problems, read_overlay
+from fork_tools.overlay import OVERLAY_DIR, apply_overlay, features, for_series, overlay_problems, read_overlay
 from fork_tools.revision import bump_revision
 from fork_tools.series import (
     PATCH_DIR,
@@ -56,7 +56,7 @@ def check(root: Path = ROOT, patch_dir: Path = PATCH_DIR, overlay_dir: Path = OV
     series = read_series(patch_dir)
     expected = pristine_tree()
     apply_series(expected, series)
-    overlay = read_overlay(overlay_dir)
+    overlay = for_series(read_overlay(overlay_dir), [p.name for p in series], patch_dir)
     problems = overlay_problems(overlay, expected, [p.name for p in series], overlay_dir)
     modules = {path for path in overlay if path not in expected}  # a shadowing file is upstream's, not a module
     expected.update({path: overlay[path] for path in modules})

@@ -137,7 +137,8 @@ def test_stop_iteration_while_loading_is_a_checkpoint_error(tmp_path):
     trainer.fit(SGDModel())
     trainer.save_checkpoint(path)
     trainer = _trainer(tmp_path, max_epochs=2, plugins=[EmptyIteratorIO()])
-    with pytest.raises(CheckpointError, match="Loading the checkpoint from .*model.ckpt.* failed: StopIteration") as info:
+    match = "Loading the checkpoint from .*model.ckpt.* failed: StopIteration"
+    with pytest.raises(CheckpointError, match=match) as info:
         trainer.fit(SGDModel(), ckpt_path=str(path))
     assert isinstance(info.value, StopIteration)
 

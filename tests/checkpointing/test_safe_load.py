@@ -182,15 +182,18 @@ def test_lightning_checkpoints_load_by_default(tmp_path, kind):
             plateau = {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(adam), "monitor": "val_loss"}
             return [sgd, adam], [torch.optim.lr_scheduler.StepLR(sgd, 1), plateau]
 
-    callbacks = lambda: [ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_last=True), EarlyStopping("val_loss")]  # noqa: E731
-    trainer = _trainer(tmp_path, limit_val_batches=1, enable_checkpointing=True, callbacks=callbacks())
+    def make_trainer(**kwargs):
+        callbacks = [ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_last=True), EarlyStopping("val_loss")]
+        return _trainer(tmp_path, limit_val_batches=1, enable_checkpointing=True, callbacks=callbacks, **kwargs)
+
+    trainer = make_trainer()
     trainer.fit(TwoOptimizers(HPARAMS[kind]))
     path = tmp_path / "last.ckpt"
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*unpickles them fully")
         checkpoint = pl_load(str(path))
         loaded = TwoOptimizers.load_from_checkpoint(str(path))
-        trainer = _trainer(tmp_path, max_epochs=2, limit_val_batches=1, enable_checkpointing=True, callbacks=callbacks())
+        trainer = make_trainer(max_epochs=2)
         trainer.fit(TwoOptimizers(HPARAMS[kind]), ckpt_path=str(path))
     assert trainer.global_step == 2 * 2 * 2  # two epochs of two batches, two optimizers
     assert loaded.hparams == TwoOptimizers(HPARAMS[kind]).hparams

@@ -140,6 +140,19 @@ def test_fork_build_has_the_overlay_and_other_builds_do_not(fork, tmp_path):
     assert local_edits(fork.root) == [MIXIN]
 
 
+def test_a_series_cut_down_to_compat_builds_without_the_modules_of_the_features_it_lacks(fork, tmp_path):
+    """Upstream's test oracle builds compat-only by cutting ``patches/series`` down to the compat lines, the overlay
+    left as it is: the modules of the features left out are left out too, while a module naming a patch that does
+    not exist is still refused."""
+    (fork.patch_dir / "series").write_text(COMPAT + "\n")
+    root = tmp_path / "cut"
+    materialize(root=root, patch_dir=fork.patch_dir, overlay_dir=fork.overlay)
+    assert not (root / MIXIN).exists()
+    write_module(fork.overlay, "pytorch_lightning/strategies/typo.py", "# fork-feature: fork/no-such-feature.patch\n")
+    with pytest.raises(BuildError, match="typo.py: '# fork-feature: fork/no-such-feature.patch' names no fork/ patch"):
+        materialize(root=root, patch_dir=fork.patch_dir, overlay_dir=fork.overlay, force=True)
+
+
 def test_overlay_edit_is_a_build_input_and_needs_a_bump(fork):
     bump_revision(fork.patch_dir, fork.overlay)
     fork.build()

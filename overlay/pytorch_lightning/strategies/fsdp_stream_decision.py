@@ -40,6 +40,14 @@ class FSDPStreamDecisionMixin(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """Returns the full state of ``optimizer`` on global rank 0, and an empty dict elsewhere, as
+        :meth:`~pytorch_lightning.strategies.fsdp_optimizer_state.FSDPOptimizerStateMixin.optimizer_state` describes;
+        while ``Trainer.save_checkpoint`` prepares a streamed save, placeholders stand for the FSDP parameters' state.
+        This is a collective call: all ranks must call it.
+
+        Args:
+            optimizer: the optimizer whose state is saved.
+        """
         stream = self._active_checkpoint_stream()
         if stream is not None:
             # gathered later, while the checkpoint is written
@@ -109,6 +117,7 @@ class FSDPStreamDecisionMixin(DDPStrategy):
                         return "the optimizer state has dimensionless tensors other than `step`"
                     if value.dim() and value.numel() != param.numel():
                         return f"the optimizer state {name!r} is not shaped like the FSDP parameter shards"
+        # imported here: fully_sharded.py imports this module for the base class
         from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
 
         for name in ("lightning_module_state_dict", "optimizer_state"):

@@ -30,7 +30,7 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
     def _save_checkpoint_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
         """Write ``checkpoint`` while gathering the state its placeholders stand for, if this save was prepared to
         stream (see ``stream_checkpoint``), and return whether it was. Collective then."""
-        stream, self._checkpoint_stream = getattr(self, "_checkpoint_stream", None), None
+        stream, self._checkpoint_stream = self._checkpoint_stream, None
         if stream is None or not stream.started or checkpoint.get("state_dict") is not stream.model_state_dict:
             return False
         self._save_checkpoint_streamed(checkpoint, filepath, stream)
