@@ -12,8 +12,9 @@ checkpoint files. Exactly what is emulated, and why:
 3. The root FSDP instance leaves ``_streams`` empty without CUDA, but ``_post_reduction_hook`` asserts that the
    current stream is ``_streams["post_backward"]``. All streams become the one shared CPU stream
    (``torch.cpu.current_stream()``), and ``torch.cuda.current_stream`` returns that same stream.
-4. ``torch.cuda.stream(...)`` becomes a null context, ``torch.cuda.synchronize`` a no-op, and
-   ``Tensor.record_stream`` a no-op for CPU tensors (CPU work is synchronous, so there is nothing to order).
+4. ``torch.cuda.stream(...)`` becomes a null context, ``torch.cuda.synchronize`` and the CPU stream's
+   ``synchronize`` (which FSDP calls with ``move_grads_to_cpu``) no-ops, and ``Tensor.record_stream`` a no-op for
+   CPU tensors (CPU work is synchronous, so there is nothing to order).
 5. gloo's ``_reduce_scatter_base``/``_all_gather_base`` reject FairScale's 2-D inputs, so
    ``enable_nccl_base_collectives`` is turned off in FSDP and in the reduce-scatter bucketer; FairScale then uses
    the list-based collectives, which gloo supports.
@@ -22,8 +23,11 @@ checkpoint files. Exactly what is emulated, and why:
    returns the buffer itself, so every state tensor (``exp_avg``, ``exp_avg_sq``) would alias the last one
    gathered. While ``_gather_optim_state`` runs, the ``all_gather`` FSDP calls gathers CPU tensors into fresh
    output tensors instead (elsewhere FSDP gathers into views of the full parameter, which must stay).
+7. With ``cpu_offload=True`` FairScale pins the CPU shards and gradients (``Tensor.pin_memory``), which needs an
+   accelerator; without one, pinning a CPU tensor returns it as it is (pinned memory only speeds up copies to a
+   GPU). Everything else of the offload runs as on a GPU machine, except that the root device is the CPU too.
 
-:func:`install` applies 2-5 once per process; the strategy calls it, so a script only has to use the strategy.
+:func:`install` applies 2-5 and 7 once per process; the strategy calls it, so a script only has to use the strategy.
 On a machine with CUDA nothing is patched and the strategy behaves exactly like its parent.
 """
 import contextlib
@@ -86,6 +90,8 @@ def install() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.current_stream = lambda device=None: _cpu_stream()
     torch.cuda.synchronize = lambda device=None: None
+    if not hasattr(torch.cpu.Stream, "synchronize"):
+        torch.cpu.Stream.synchronize = lambda self: None
 
     original_record_stream = torch.Tensor.record_stream
 
@@ -94,6 +100,13 @@ def install() -> None:
             original_record_stream(self, stream)
 
     torch.Tensor.record_stream = _record_stream
+
+    original_pin_memory = torch.Tensor.pin_memory
+
+    def _pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if self.device.type == "cpu" else original_pin_memory(self, *args, **kwargs)
+
+    torch.Tensor.pin_memory = _pin_memory
     _INSTALLED = True
 
 

@@ -118,11 +118,16 @@ class FSDPModel(LightningModule):
         return self._loader()
 
 
-def full_parameters(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def full_parameters(module: torch.nn.Module, remove_duplicate: bool = True) -> Dict[str, torch.Tensor]:
     """Every rank's copy of the full, unflattened parameters and buffers, keyed like ``state_dict()``.
 
     Collective: call on all ranks. It reads the modules inside ``summon_full_params`` rather than calling
     ``state_dict()``, so it does not depend on the ``state_dict_on_rank_0_only`` behaviour under test.
+
+    Args:
+        module: the module, with or inside FSDP instances.
+        remove_duplicate: ``False`` lists a parameter or buffer shared between modules under each of its names, as
+            ``state_dict()`` does; ``True`` under the first only.
     """
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
@@ -131,7 +136,10 @@ def full_parameters(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     with contextlib.ExitStack() as stack:
         for outermost in (m for m in instances if id(m) not in inner):
             stack.enter_context(outermost.summon_full_params(recurse=True, volatile=True))
-        named = itertools.chain(module.named_parameters(), module.named_buffers())
+        named = itertools.chain(
+            module.named_parameters(remove_duplicate=remove_duplicate),
+            module.named_buffers(remove_duplicate=remove_duplicate),
+        )
         return {_clean_key(name): tensor.detach().clone().cpu() for name, tensor in named}
 
 

@@ -1,9 +1,14 @@
-"""``PL_CHECKPOINT_TIMEOUT``: how long the ranks wait for each other in the checkpoint failure-flag exchange."""
+"""``PL_CHECKPOINT_TIMEOUT``: how long the ranks wait for each other in the checkpoint failure-flag exchange, and
+``PL_CHECKPOINT_GLOO_GROUP``: whether that exchange gets a gloo group of its own."""
 from datetime import timedelta
 
 import pytest
 
-from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_timeout, DEFAULT_CHECKPOINT_TIMEOUT
+from pytorch_lightning.utilities.checkpoint_errors import (
+    _checkpoint_gloo_group_wanted,
+    _checkpoint_timeout,
+    DEFAULT_CHECKPOINT_TIMEOUT,
+)
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 
@@ -16,3 +21,15 @@ def test_checkpoint_timeout(monkeypatch):
         monkeypatch.setenv("PL_CHECKPOINT_TIMEOUT", bad)
         with pytest.raises(MisconfigurationException, match="PL_CHECKPOINT_TIMEOUT"):
             _checkpoint_timeout()
+
+
+def test_checkpoint_gloo_group_opt_out(monkeypatch):
+    monkeypatch.delenv("PL_CHECKPOINT_GLOO_GROUP", raising=False)
+    assert _checkpoint_gloo_group_wanted()
+    for value, wanted in (("1", True), (" 0 ", False), ("", True)):
+        monkeypatch.setenv("PL_CHECKPOINT_GLOO_GROUP", value)
+        assert _checkpoint_gloo_group_wanted() is wanted
+    for bad in ("no", "false", "2"):
+        monkeypatch.setenv("PL_CHECKPOINT_GLOO_GROUP", bad)
+        with pytest.raises(MisconfigurationException, match="PL_CHECKPOINT_GLOO_GROUP"):
+            _checkpoint_gloo_group_wanted()

@@ -4,7 +4,8 @@
 Each scenario fits ``FSDPModel`` (3 FSDP units) for one step, saves a good checkpoint, then makes the ``--fail-on``-th
 per-unit local operation of one loop raise on global rank ``--fail-rank`` only:
 
-- ``state_dict_memory``: the host-memory check before the state-dict gather reports 64 bytes available;
+- ``state_dict_memory``: the host-memory check before the state-dict gather finds no memory available (a fake
+  ``/proc/meminfo`` with ``MemAvailable: 0 kB``, see ``tests/helpers/fake_proc.py``);
 - ``state_dict``: FairScale's ``_post_state_dict_hook`` (patched before the model is wrapped, since FSDP binds it
   with ``functools.partial`` when it is constructed), during ``trainer.save_checkpoint``;
 - ``optimizer``: the optimizer-state consolidation, during ``trainer.save_checkpoint``: on rank 0 the per-unit
@@ -26,10 +27,12 @@ from typing import Any, Callable, Dict
 import torch
 
 import pytorch_lightning.strategies.fsdp_optimizer_state as fsdp_optimizer_state
+import pytorch_lightning.utilities.host_memory as host_memory
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
 from pytorch_lightning import Trainer, seed_everything
+from tests.helpers.fake_proc import FakeProc
 
 UNITS = 3
 
@@ -86,17 +89,8 @@ def _model() -> FSDPModel:
 def save_side(args: argparse.Namespace) -> Dict[str, Any]:
     fault = Fault(args)
     if args.loop == "state_dict_memory":
-        import pytorch_lightning.strategies.fsdp_checkpoint_errors as fsdp_checkpoint_errors
-
-        original_available = fsdp_checkpoint_errors._available_host_memory
-
-        def available() -> Any:
-            if fault.armed and global_rank() == fault.fail_rank:
-                fault.raised_at = 1
-                return 64  # bytes: too little even for this small model's state dict
-            return original_available()
-
-        fsdp_checkpoint_errors._available_host_memory = available
+        fake_proc = FakeProc(args.out / f"fake-rank{global_rank()}")
+        fake_proc.set_mem_available(0)  # too little even for this small model's state dict
     elif args.loop == "state_dict":
         from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
@@ -135,6 +129,8 @@ def save_side(args: argparse.Namespace) -> Dict[str, Any]:
     before = sha256(path)
     fault.enabled = True
     fault.armed = args.loop in ("state_dict", "state_dict_memory")
+    if args.loop == "state_dict_memory" and global_rank() == fault.fail_rank:
+        host_memory.PROC_ROOT, fault.raised_at = str(fake_proc.proc), 1
     start = time.monotonic()
     result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": False}
     try:

@@ -5,6 +5,7 @@ Every scenario writes, per rank, ``rank<N>.json`` (a summary) and ``rank<N>.pt``
 (gathered on every rank) and the rank's *local* optimizer state (its shard), which the tests compare.
 """
 import argparse
+import itertools
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 from unittest import mock
@@ -36,6 +37,7 @@ class ResumeModel(FSDPModel):
             (and users who copied them) do to load a full state dict before ``configure_sharded_model``.
         frozen_blocks: indices of blocks whose parameters are frozen (their FSDP instances have no optimizer state).
         guard_by_flag: ``configure_sharded_model`` wraps only once, guarded by a flag instead of by what is wrapped.
+        outside_buffer: a buffer outside FSDP, added to the input.
     """
 
     def __init__(
@@ -47,9 +49,12 @@ class ResumeModel(FSDPModel):
         recreate_on_load: bool = False,
         frozen_blocks: Tuple[int, ...] = (),
         guard_by_flag: bool = False,
+        outside_buffer: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        if outside_buffer:
+            self.register_buffer("shift", torch.linspace(0, 1, self.width))
         self.param_groups, self.reverse_params, self.recreate_on_load = param_groups, reverse_params, recreate_on_load
         self.frozen_blocks, self.guard_by_flag, self.wrapped = frozen_blocks, guard_by_flag, False
         if build == "init":
@@ -83,6 +88,11 @@ class ResumeModel(FSDPModel):
 
         managed = {id(p) for m in self.modules() if isinstance(m, FullyShardedDataParallel) for p in m.params}
         return all(id(p) in managed for p in self.layer.parameters())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "shift"):
+            x = x + self.shift
+        return super().forward(x)
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         if self.recreate_on_load:
@@ -132,6 +142,13 @@ LAYOUTS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {
     "outside": ({"extra_before": True, "extra_after": True}, {}),
     # FSDP instances without optimizer state, the first one included
     "frozen": ({"units": 4, "frozen_blocks": (0, 1)}, {}),
+    # FairScale keeps the FSDP shards on the CPU; parameters and a buffer outside FSDP. One FSDP instance per block:
+    # with ``cpu_offload`` FairScale 0.4.13 cannot gather an instance without parameters of its own (``IndexError``
+    # in ``summon_full_params``), such as the outer one of nested ``wrap``
+    "offload": (
+        {"extra_before": True, "extra_after": True, "outside_buffer": True, "wrapping": "auto_wrap"},
+        {"cpu_offload": True, "min_num_params": 50},
+    ),
 }
 
 
@@ -214,9 +231,10 @@ def report(args: argparse.Namespace, trainer: Trainer, model: ResumeModel, **ext
 def fit(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit ``--epochs`` epochs, optionally resuming from ``--ckpt``; ModelCheckpoint saves every epoch.
 
-    Reports how often the replicated gradients were synchronised and, with ``--mock-cuda-root``, whether every
-    restored optimizer state tensor lives on its parameter's device although the root device claims to be CUDA (as
-    with ``cpu_offload=True`` on a GPU machine, where FairScale keeps the fp32 shards on the CPU).
+    Reports how often the replicated gradients were synchronised, on which devices they were averaged, where the
+    model's tensors are (see :func:`placement`) and, with ``--mock-cuda-root``, whether every restored optimizer
+    state tensor lives on its parameter's device although the root device claims to be CUDA (as with
+    ``cpu_offload=True`` on a GPU machine, where FairScale keeps the fp32 shards on the CPU).
     """
     # a different seed per rank, as on a real cluster without a seeded launcher: replicated parameters must still
     # start equal everywhere
@@ -224,12 +242,16 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
     model = make_model(args)
     trainer = make_trainer(args, max_epochs=args.epochs)
     strategy = trainer.strategy
-    syncs = []
+    syncs, sync_devices = [], set()
     sync = strategy.sync_replicated_gradients
 
     def counting_sync(optimizer):
         syncs.append(trainer.global_step)
-        return sync(optimizer)
+        # the tensors the sync hands to ``all_reduce``
+        with mock.patch.object(torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce) as all_reduce:
+            result = sync(optimizer)
+        sync_devices.update(str(call.args[0].device) for call in all_reduce.call_args_list)
+        return result
 
     strategy.sync_replicated_gradients = counting_sync
     devices_ok: List[bool] = []
@@ -253,8 +275,27 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
     order = next(c for c in trainer.callbacks if isinstance(c, RestoreOrder))
     return report(
         args, trainer, model, syncs=len(syncs), state_devices_ok=devices_ok, sharded_in=model.sharded_in,
-        restored_at_fit_start=order.restored_at_fit_start,
+        restored_at_fit_start=order.restored_at_fit_start, sync_devices=sorted(sync_devices),
+        placement=placement(trainer, model),
     )
+
+
+def placement(trainer: Trainer, model: ResumeModel) -> Dict[str, Any]:
+    """The devices of the root device, the model (``LightningModule.device``), the parameters and buffers outside
+    FSDP, and the FSDP shards (where FairScale keeps them: ``_fp32_shard``)."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    instances = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    inside = {id(t) for m in instances for t in itertools.chain(m.parameters(), m.buffers())}
+    outside = [t for t in itertools.chain(model.parameters(), model.buffers()) if id(t) not in inside]
+    return {
+        "root": str(trainer.strategy.root_device),
+        "module": str(model.device),
+        "outside": sorted({str(t.device) for t in outside}),
+        # ``_fp32_shard`` exists once FSDP initialised lazily (first forward, summon or load)
+        "shards": sorted({str(getattr(p, "_fp32_shard", p).device) for m in instances for p in m.params}),
+        "cpu_offload": [m.move_params_to_cpu for m in instances],
+    }
 
 
 def stages(args: argparse.Namespace) -> Dict[str, Any]:

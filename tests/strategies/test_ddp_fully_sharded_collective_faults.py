@@ -33,7 +33,7 @@ WORLD_SIZE = 2
 def test_fault_in_per_unit_loop_raises_on_every_rank(tmp_path: Path, loop: str, fail_rank: int) -> None:
     # one outermost FSDP instance, so one re-shard; one memory check
     fail_on = "1" if loop in ("reshard", "state_dict_memory") else "2"
-    cause = "MemoryError: The full state dict needs" if loop == "state_dict_memory" else "InjectedFault: injected fault"
+    cause = "MemoryError: Gathering the checkpoint needs" if loop == "state_dict_memory" else "InjectedFault: injected fault"
     result = run_module(
         SCENARIOS,
         [loop, "--out", str(tmp_path), "--fail-rank", str(fail_rank), "--fail-on", fail_on],

@@ -1,23 +1,26 @@
 """Checkpoint errors on every rank, the ``DDPFullyShardedStrategy`` side: a failure on one rank in the middle of
-gathering the FSDP state dict does not desynchronise the ranks, and the ranks that keep the state dict check their
-host memory before any of them gathers it.
+gathering the FSDP state dict does not desynchronise the ranks, and the ranks check that they have the host memory
+for the checkpoint before any of them gathers it.
 
 The hooks are ``DDPFullyShardedStrategy``'s base class and the call sites in ``setup`` and
 ``lightning_module_state_dict``; ``CheckpointConnector.save_checkpoint`` raises the kept error on every rank.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.utilities.checkpoint_errors import (
-    _available_host_memory,
+    _all_gather_objects,
     _catching_state_dict_hooks,
     _CollectiveFailure,
     _exchange_failure_flags,
     _new_checkpoint_process_group,
 )
 from pytorch_lightning.utilities.distributed import distributed_available
+from pytorch_lightning.utilities.host_memory import format_bytes, host_memory_bounds, overcommitted_bound
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
@@ -30,28 +33,29 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         if getattr(self, "_checkpoint_process_group", None) is None:
             # every rank gets here: the group for the checkpoint failure-flag exchange, which waits for rank 0's writes
             # as long as ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
-            self._checkpoint_process_group = _new_checkpoint_process_group()
+            self._checkpoint_process_group = _new_checkpoint_process_group(self)
 
     def _gather_state_dict_on_every_rank(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         """``gather()``, FairScale's collective state-dict gather, or ``None`` where it failed on this rank.
 
-        First the ranks that keep the state dict in host memory check that enough of it is available; if one does
-        not, no rank gathers. If the local part of a unit's gather (FairScale's state-dict hook, which copies the
-        unit's tensors) fails on a rank, that rank still takes part in the gathers of the remaining units. Either
-        error is raised by ``Trainer.save_checkpoint`` on every rank before anything is written (see
-        :meth:`_record_checkpoint_error`).
+        First the ranks check that they have the host memory for what they will hold (see
+        :meth:`_check_host_memory_for_checkpoint`); if the ranks under one bound do not, no rank gathers anything. If
+        the local part of a unit's gather (FairScale's state-dict hook, which copies the unit's tensors) fails on a
+        rank, that rank still takes part in the gathers of the remaining units. Either error is raised by
+        ``Trainer.save_checkpoint`` on every rank before anything is written (see :meth:`_record_checkpoint_error`).
         """
         failure = _CollectiveFailure()
         modules = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
-        memory_error = self._check_host_memory_for_state_dict(modules)
-        failed_ranks = self._exchange_checkpoint_failure_flags(memory_error is not None)
-        if failed_ranks:
+        memory_error, short_ranks = self._check_host_memory_for_checkpoint(modules)
+        # read by ``optimizer_state``: then no rank consolidates the optimizer state of this save either
+        self._checkpoint_lacks_host_memory = bool(short_ranks)
+        if short_ranks:
             # no rank gathers: a rank that ran out of host memory in the middle of the gather would be killed
             if memory_error is not None:
                 self._record_checkpoint_error(memory_error)
             elif not getattr(self, "_defer_checkpoint_errors", False):
                 raise RuntimeError(
-                    f"The state dict was not gathered: global rank {failed_ranks[0]} lacks the host memory for it."
+                    f"The state dict was not gathered: global rank {short_ranks[0]} lacks the host memory for it."
                 )
             return None
         with _catching_state_dict_hooks(modules, failure):
@@ -63,27 +67,67 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
             return None
         return state_dict
 
-    def _check_host_memory_for_state_dict(self, modules: List["FullyShardedDataParallel"]) -> Optional[MemoryError]:
-        """A ``MemoryError`` if this rank keeps the full state dict in host memory and has less of it
-        available than the state dict needs (``MemAvailable`` of ``/proc/meminfo``; no check where that cannot be
-        read), else ``None``."""
-        if not modules or (self.state_dict_on_rank_0_only and self.global_rank != 0):
-            return None
-        if any(m.state_dict_device.type != "cpu" for m in modules):
-            return None
-        available = _available_host_memory()
-        if available is None:
-            return None
-        tensors = list(self.lightning_module.parameters()) + list(self.lightning_module.buffers())
-        needed = sum(
-            (t._orig_size.numel() if hasattr(t, "_orig_size") else t.numel()) * t.element_size() for t in tensors
+    def _check_host_memory_for_checkpoint(
+        self, modules: List["FullyShardedDataParallel"]
+    ) -> Tuple[Optional[MemoryError], List[int]]:
+        """Whether the ranks have the host memory for what they will hold while this checkpoint is gathered (see
+        :meth:`_host_memory_needed`): a ``MemoryError`` on the ranks under a bound that they need more than,
+        ``None`` on the others, and the global ranks under it (none if every rank has enough). Collective.
+
+        The bounds are each host's ``MemAvailable`` and the limit of each memory cgroup (a container's, a Slurm
+        job's) minus what it uses; the needs of the ranks that share one add up. See
+        :func:`~pytorch_lightning.utilities.host_memory.host_memory_bounds`.
+        """
+        if not modules:
+            return None, []
+        needed, what = self._host_memory_needed(modules)
+        report = (needed, host_memory_bounds() if needed else [])
+        if distributed_available() and self.world_size > 1:
+            reports = _all_gather_objects(self, (report, what))
+        else:
+            reports = [(report, what)]
+        short = overcommitted_bound([r for r, _ in reports])
+        if short is None:
+            return None, []
+        bound, ranks, total = short
+        if self.global_rank not in ranks:
+            return None, ranks
+        held = "; ".join(f"global rank {rank}: {reports[rank][1]}" for rank in ranks[:4])
+        if len(ranks) > 4:
+            held += f"; and {len(ranks) - 4} more ranks"
+        return (
+            MemoryError(
+                f"Gathering the checkpoint needs about {format_bytes(total)} of host memory ({held}), but"
+                f" {bound.description} has only {format_bytes(bound.available)} available."
+            ),
+            ranks,
         )
-        if needed <= available:
-            return None
-        return MemoryError(
-            f"The full state dict needs about {needed / 2**20:.0f} MiB of host memory on global rank"
-            f" {self.global_rank}, but only {available / 2**20:.0f} MiB is available."
+
+    def _host_memory_needed(self, modules: List["FullyShardedDataParallel"]) -> Tuple[int, str]:
+        """The bytes of host memory this rank will hold while the checkpoint is gathered, and what for.
+
+        - The full state dict, on the ranks that keep it (global rank 0, or every rank with
+          ``state_dict_on_rank_0_only=False``), when it is gathered to the CPU (``state_dict_to_cpu=True``): every
+          FSDP parameter at its full size, in full precision, and the buffers inside FSDP. The other tensors are in
+          the state dict as they are, not copied.
+        - While ``Trainer.save_checkpoint`` saves more than the weights, on global rank 0: the optimizer state
+          consolidated there, every state tensor of an FSDP parameter at the parameter's full size, which is twice the
+          model with Adam.
+        """
+        needed, held = 0, []
+        if not self.state_dict_on_rank_0_only or self.global_rank == 0:
+            if all(m.state_dict_device.type == "cpu" for m in modules):
+                state_dict = _full_state_dict_bytes(modules)
+                needed += state_dict
+                held.append(f"the state dict, {format_bytes(state_dict)}")
+        saving_optimizers = getattr(self, "_defer_checkpoint_errors", False) and not getattr(
+            self, "_checkpoint_weights_only", False
         )
+        if saving_optimizers and self.global_rank == 0:
+            optimizer_states = _consolidated_optimizer_state_bytes(self.optimizers, modules)
+            needed += optimizer_states
+            held.append(f"the consolidated optimizer state, {format_bytes(optimizer_states)}")
+        return needed, " and ".join(held) or "nothing"
 
     def _exchange_checkpoint_failure_flags(self, failed: bool) -> List[int]:
         """The global ranks that report ``failed``. Collective when more than one process runs."""
@@ -105,3 +149,35 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
     def _pop_checkpoint_error(self) -> Optional[BaseException]:
         error, self._checkpoint_error = getattr(self, "_checkpoint_error", None), None
         return error
+
+
+def _full_state_dict_bytes(modules: List["FullyShardedDataParallel"]) -> int:
+    """The bytes of the tensors that FairScale copies into the full state dict of the FSDP instances ``modules`` (all
+    of them, nested ones too): their parameters, gathered in full precision, and the buffers inside them."""
+    total = 0
+    for module in modules:
+        for param in module.params:
+            size = getattr(param, "_orig_size", param.shape)
+            total += size.numel() * getattr(param, "_fp32_shard", param).element_size()
+    buffers = {id(b): (b, m.mixed_precision) for m in modules for b in m.buffers()}
+    for buffer, mixed_precision in buffers.values():
+        full_precision = mixed_precision and buffer.is_floating_point()
+        total += buffer.numel() * max(buffer.element_size(), 4 if full_precision else 0)
+    return total
+
+
+def _consolidated_optimizer_state_bytes(optimizers: List[Any], modules: List["FullyShardedDataParallel"]) -> int:
+    """The bytes of the optimizer state of the FSDP parameters of ``modules`` once consolidated: each state tensor
+    shaped like a parameter's shard at the parameter's full size. The state of other parameters is saved as it is."""
+    shards = {id(p): p for m in modules for p in m.params}
+    total = 0
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            shard = shards.get(id(param))
+            if shard is None:
+                continue
+            full = getattr(shard, "_orig_size", shard.shape).numel()
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() and value.numel() == shard.numel():
+                    total += full * value.element_size()
+    return total

@@ -13,7 +13,7 @@ from typing_extensions import override
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.utilities.apply_func import apply_to_collection
-from pytorch_lightning.utilities.checkpoint_errors import _CollectiveFailure
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group, _CollectiveFailure
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
@@ -80,6 +80,10 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         Args:
             optimizer: the optimizer whose state is saved.
         """
+        if getattr(self, "_defer_checkpoint_errors", False) and getattr(self, "_checkpoint_lacks_host_memory", False):
+            # this save already failed on every rank: the ranks lack the host memory for it (see
+            # ``lightning_module_state_dict``), so none of them consolidates anything either
+            return {}
         layout = self._optimizer_state_layout()
         state = optimizer.state_dict()
         if layout == "replicated":
@@ -117,22 +121,30 @@ class FSDPOptimizerStateMixin(DDPStrategy):
     def _consolidate_optimizer_state(
         self, root: "FullyShardedDataParallel", state: Dict[str, Any], failure: _CollectiveFailure
     ) -> Optional[Dict[str, Any]]:
-        if root.world_size > 1 and any(m.no_broadcast_optim_state for m in root.modules() if isinstance(m, FullyShardedDataParallel)):
+        instances = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
+        if root.world_size > 1 and any(m.no_broadcast_optim_state for m in instances):
             return root.gather_full_optim_state_dict(_StateDictProvider(state))
         return _gather_full_optimizer_state(root, state, failure)
 
     def _gather_local_optimizer_states(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        """Every rank's local optimizer state, on the CPU of global rank 0, received one rank at a time."""
+        """Every rank's local optimizer state, on the CPU of global rank 0, received one rank at a time.
+
+        The states travel pickled, as CPU tensors, over the gloo group of all ranks that the strategy has for
+        checkpoints (see ``PL_CHECKPOINT_GLOO_GROUP``): over NCCL, every pickled state would be staged in GPU memory
+        and every pair of ranks would get a communicator of its own. Without that group (``PL_CHECKPOINT_GLOO_GROUP=0``)
+        they go over the default process group.
+        """
         local = apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu())
         if self.world_size == 1:
             return {"fsdp_per_rank": [local]}
+        group = _checkpoint_process_group(self)
         states = [local]
         for src in range(1, self.world_size):
             if self.global_rank == src:
-                torch.distributed.send_object_list([local], dst=0, group=self.process_group)
+                torch.distributed.send_object_list([local], dst=0, group=group)
             elif self.global_rank == 0:
                 received: List[Any] = [None]
-                torch.distributed.recv_object_list(received, src=src, group=self.process_group)
+                torch.distributed.recv_object_list(received, src=src, group=group)
                 states.append(received[0])
         return {"fsdp_per_rank": states} if self.global_rank == 0 else {}
 
@@ -187,7 +199,8 @@ class FSDPOptimizerStateMixin(DDPStrategy):
                 rank_zero_warn(
                     "The checkpoint's optimizer state is a plain `optimizer.state_dict()`, not the consolidated state"
                     " `DDPFullyShardedStrategy` saves now: Lightning <= 1.6.5 saved global rank 0's shard of the FSDP"
-                    " parameters there, so loading it would give every rank rank 0's state. The per-parameter state of `{type(optimizer).__name__}` (e.g. momentum or"
+                    " parameters there, so loading it would give every rank rank 0's state. The per-parameter state of"
+                    f" `{type(optimizer).__name__}` (e.g. momentum or"
                     " running averages) is therefore not restored and starts fresh; its hyperparameters (e.g. the"
                     " learning rate) are restored, and the model weights are loaded as usual."
                 )

@@ -1,10 +1,11 @@
 """Replicated parameters: the LightningModule's parameters outside every FSDP instance are broadcast from global
-rank 0 at setup and their gradients averaged before each optimizer step, as DDP does.
+rank 0 at setup and their gradients averaged before each optimizer step, as DDP does. With ``cpu_offload`` they,
+and the buffers outside FSDP, are put on the root device, where FairScale computes.
 
 The hooks are ``DDPFullyShardedStrategy``'s base class and ``configure_ddp``.
 """
 # fork-feature: fork/fsdp-sync-replicated-gradients.patch
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.nn import Module
@@ -23,12 +24,30 @@ if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
 class FSDPReplicatedParametersMixin(DDPStrategy):
     """Methods of ``DDPFullyShardedStrategy`` that keep the parameters outside FSDP equal on every rank."""
 
+    @override
+    def connect(self, model: Module) -> None:
+        """Called by the Trainer to connect the strategy with the model; also notes which parameters the model's
+        modules share, before ``configure_sharded_model`` wraps them.
+
+        Args:
+            model: the LightningModule
+        """
+        self._parameters_shared_before_wrapping = _shared_parameters(model)
+        super().connect(model)
+
     def _setup_replicated_parameters(self) -> None:
         """Find the parameters of the LightningModule that no FSDP instance manages, make them equal on every
         rank, as DDP does when it wraps a module, and warn about the trainable ones that they are replicated.
 
-        Frozen ones are included: a callback such as ``BackboneFinetuning`` may unfreeze them later.
+        Frozen ones are included: a callback such as ``BackboneFinetuning`` may unfreeze them later. With
+        ``cpu_offload``, ``configure_ddp`` leaves the model where it is, and FairScale keeps the parameters it manages
+        on the CPU, computing on the root device: what no FSDP instance manages is moved to the root device.
         """
+        if self.cpu_offload:
+            _to_device_outside_fsdp(self.lightning_module, self.root_device)
+            # as ``model_to_device`` does without ``cpu_offload``: ``LightningModule.device`` is where it computes
+            self.lightning_module._device = self.root_device
+        self._warn_about_split_parameters()
         managed = {
             id(p) for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel) for p in m.params
         }
@@ -39,7 +58,7 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
         if self._is_distributed_run():
             with torch.no_grad():
                 for param in self._replicated_parameters:
-                    # collectives run on the root device: with ``cpu_offload`` these parameters stay on the CPU
+                    # collectives run on the root device, where these parameters are (with ``cpu_offload`` too)
                     data = param.data.to(self.root_device)
                     torch.distributed.broadcast(data, src=0, group=self.process_group)
                     param.data.copy_(data)
@@ -53,6 +72,43 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
             " optimizer state, the copies start from global rank 0's values, and their gradients are averaged over"
             " the ranks before each optimizer step. Wrap them with `wrap` in `configure_sharded_model` to shard them."
         )
+
+    def _warn_about_split_parameters(self) -> None:
+        # FairScale's FSDP keeps a parameter shared only between modules inside one FSDP instance: flattening takes
+        # it out of the modules of the instance, and a module outside it keeps the original, now a parameter apart
+        groups, self._parameters_shared_before_wrapping = getattr(self, "_parameters_shared_before_wrapping", []), []
+        if not groups:
+            return
+        module = self.lightning_module
+        present = {id(m) for m in module.modules()}
+        flat_owner: Dict[Tuple[int, str], int] = {}
+        for instance in (m for m in module.modules() if isinstance(m, FullyShardedDataParallel)):
+            for flat in instance.params:
+                for _, submodule, name in getattr(flat, "_param_infos", []):
+                    flat_owner[(id(submodule), name)] = id(flat)
+                for _, _, submodule, name, _, _ in getattr(flat, "_shared_param_infos", []):
+                    flat_owner[(id(submodule), name)] = id(flat)
+        split = []
+        for group in groups:
+            owners = {}
+            for qualified_name, submodule, name in group:
+                if id(submodule) not in present:
+                    continue  # replaced since, e.g. in ``on_load_checkpoint``
+                owner = flat_owner.get((id(submodule), name))
+                if owner is None and submodule._parameters.get(name) is not None:
+                    owner = id(submodule._parameters[name])
+                if owner is not None:
+                    owners.setdefault(owner, qualified_name)
+            if len(owners) > 1:
+                split.append(" and ".join(f"`{n}`" for n in owners.values()))
+        if split:
+            rank_zero_warn(
+                f"Parameters shared by modules of the LightningModule are no longer shared once wrapped in FSDP:"
+                f" {'; '.join(split)}. FairScale's FSDP keeps a parameter shared only between modules inside one"
+                " FSDP instance; these are now separate parameters, trained, saved and restored apart, so the model"
+                " no longer computes what the unwrapped one does. Wrap the modules that share a parameter in one FSDP"
+                " instance, e.g. the whole model with `self.model = wrap(self.model)`."
+            )
 
     def _is_distributed_run(self) -> bool:
         return self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -129,3 +185,33 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
             return result
 
         return super().optimizer_step(optimizer, opt_idx, closure_and_sync, model, **kwargs)
+
+
+def _shared_parameters(module: Module) -> List[List[Tuple[str, Module, str]]]:
+    """The parameters that several modules in ``module`` hold (tied weights), each as its users: the qualified name,
+    the module and the attribute name."""
+    users: Dict[int, List[Tuple[str, Module, str]]] = {}
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        for name, param in submodule._parameters.items():
+            if param is not None:
+                users.setdefault(id(param), []).append((f"{prefix}.{name}" if prefix else name, submodule, name))
+    return [group for group in users.values() if len({(id(m), n) for _, m, n in group}) > 1]
+
+
+def _to_device_outside_fsdp(module: Module, device: torch.device) -> None:
+    """Move what no FSDP instance in ``module`` manages to ``device``: a subtree without FSDP with its own ``to``
+    (so that e.g. metrics move their states), a module that holds FSDP instances its own parameters and buffers."""
+    if isinstance(module, FullyShardedDataParallel):
+        return
+    if not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        module.to(device)
+        return
+    for param in module._parameters.values():
+        if param is not None:
+            # in place: the optimizers hold this parameter
+            param.data = param.data.to(device)
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            module._buffers[name] = buffer.to(device)
+    for child in module.children():
+        _to_device_outside_fsdp(child, device)

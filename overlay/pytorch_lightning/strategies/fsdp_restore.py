@@ -99,7 +99,9 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
                     if failure.failed:
                         continue
                     with failure.catch():
-                        for name, param in instance.named_parameters():
+                        # a parameter shared between modules of the instance (tied embeddings) is registered under
+                        # each of its names while summoned, and the state dict has it under each: load every name
+                        for name, param in instance.named_parameters(remove_duplicate=False):
                             if id(param) in nested:
                                 continue
                             key = _clean_fsdp_key(f"{prefix}.{name}" if prefix else name)

@@ -1,11 +1,12 @@
-"""Checkpoint errors on every rank: the ranks tell each other whether a step of saving or loading a checkpoint failed,
-over a gloo group of their own, and all raise the same
+"""Checkpoint errors on every rank: the ranks tell each other whether a step of saving or loading a checkpoint failed
+(over the strategy's gloo checkpoint group where it has one, else its own collectives), and all raise the same
 :class:`~pytorch_lightning.utilities.exceptions.CheckpointError`, which is also an instance of the original error's
 type.
 
 The hooks are ``CheckpointConnector`` (through
 :class:`~pytorch_lightning.trainer.connectors.checkpoint_failures.CheckpointFailuresMixin`) and
-``DDPFullyShardedStrategy`` (through :class:`~pytorch_lightning.strategies.fsdp_checkpoint_errors.FSDPCheckpointErrorsMixin`).
+``DDPFullyShardedStrategy`` (through
+:class:`~pytorch_lightning.strategies.fsdp_checkpoint_errors.FSDPCheckpointErrorsMixin`).
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
 import importlib
@@ -132,32 +133,87 @@ def _checkpoint_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _new_checkpoint_process_group() -> Optional[Any]:
+#: Environment variable: ``0`` lets the ranks exchange whether a checkpoint step failed over the default process
+#: group, bounded by that group's own timeout, instead of over a gloo group of their own created in ``setup``.
+CHECKPOINT_GLOO_GROUP_ENV = "PL_CHECKPOINT_GLOO_GROUP"
+
+
+#: How long creating the gloo checkpoint group may take. The ranks then tell each other over the default process group
+#: whether it worked, so this has to be well below that group's timeout (NCCL's default is ten minutes).
+CHECKPOINT_GROUP_SETUP_TIMEOUT = timedelta(minutes=5)
+
+
+def _checkpoint_gloo_group_wanted() -> bool:
+    """Whether the checkpoint failure-flag exchange gets a gloo group of its own (``PL_CHECKPOINT_GLOO_GROUP``).
+
+    Raises:
+        MisconfigurationException:
+            If ``PL_CHECKPOINT_GLOO_GROUP`` is set to anything but ``1`` or ``0``.
+    """
+    value = os.environ.get(CHECKPOINT_GLOO_GROUP_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise MisconfigurationException(
+            f"`{CHECKPOINT_GLOO_GROUP_ENV}` must be `1` (a gloo group for checkpoint failures, the default) or `0` (the"
+            f" default process group), got {value!r}."
+        )
+    return value != "0"
+
+
+def _new_checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[Any]:
     """A gloo process group of all ranks whose timeout is :func:`_checkpoint_timeout`, for the checkpoint
-    failure-flag exchange, or ``None`` when not running distributed (then the strategy's own collectives are used).
+    failure-flag exchange, or ``None`` when not running distributed or with ``PL_CHECKPOINT_GLOO_GROUP=0`` (then the
+    strategy's own collectives are used, on the default process group).
 
     While global rank 0 alone writes a checkpoint, the other ranks wait for it in that exchange; over this group the
-    wait does not depend on the default process group's timeout (NCCL's is ten minutes in most builds). This is a
-    collective call: every rank must call it, at the same point.
+    wait does not depend on the default process group's timeout (NCCL's is ten minutes in most builds). Gloo connects
+    the ranks over the network interface ``GLOO_SOCKET_IFNAME`` names, by default the address the host name resolves
+    to, which may be one other nodes cannot reach (``127.0.1.1`` in many container images) even where NCCL works. So
+    the group is created with a timeout of at most :data:`CHECKPOINT_GROUP_SETUP_TIMEOUT`, and the ranks then tell
+    each other over the default group whether that worked. This is a collective call: every rank must call it, at the
+    same point.
+
+    Args:
+        strategy: the strategy whose collectives tell the ranks whether creating the group failed anywhere.
+
+    Raises:
+        MisconfigurationException:
+            On every rank, if creating the group failed or timed out on any rank; or if ``PL_CHECKPOINT_GLOO_GROUP`` or
+            ``PL_CHECKPOINT_TIMEOUT`` is invalid.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     if torch.distributed.get_world_size() < 2 or not torch.distributed.is_gloo_available():
         return None
-    return torch.distributed.new_group(backend="gloo", timeout=_checkpoint_timeout())
-
-
-def _available_host_memory() -> Optional[int]:
-    """The bytes of host memory available for new allocations (``MemAvailable`` in ``/proc/meminfo``), or ``None``
-    where that cannot be read (not Linux)."""
+    if not _checkpoint_gloo_group_wanted():
+        return None
+    timeout = _checkpoint_timeout()
+    # torch without ``ProcessGroup.set_timeout`` cannot lengthen the timeout afterwards: the group is created with it
+    can_set_timeout = hasattr(getattr(torch.distributed, "ProcessGroup", None), "set_timeout")
+    setup_timeout = min(timeout, CHECKPOINT_GROUP_SETUP_TIMEOUT) if can_set_timeout else timeout
+    group, error = None, None
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        group = torch.distributed.new_group(backend="gloo", timeout=setup_timeout)
+        if setup_timeout != timeout:
+            group.set_timeout(timeout)
+    except Exception as ex:
+        error = ex
+    # the strategy has no checkpoint group yet: over the default group
+    causes = _all_gather_objects(strategy, None if error is None else _describe_error(error))
+    by_cause: Dict[str, List[int]] = {}
+    for rank, cause in enumerate(causes):
+        if cause is not None:
+            by_cause.setdefault(cause, []).append(rank)
+    if not by_cause:
+        return group
+    failures = "; ".join(f"on global ranks {ranks}: {cause}" for cause, ranks in list(by_cause.items())[:3])
+    raise MisconfigurationException(
+        f"`{type(strategy).__name__}` could not create the gloo process group over which the ranks tell each other"
+        f" whether a checkpoint failed ({failures}). Gloo connects the"
+        " ranks over the address their host name resolves to, which other nodes may not reach (`127.0.1.1` in many"
+        " container images). Set `GLOO_SOCKET_IFNAME` to the network interface the nodes reach each other over (the"
+        f" one `NCCL_SOCKET_IFNAME` names, if set), or set `{CHECKPOINT_GLOO_GROUP_ENV}=0` to exchange over the default"
+        f" process group instead, bounded by its own timeout rather than `{CHECKPOINT_TIMEOUT_ENV}`."
+    ) from error
 
 
 class _CollectiveFailure:
@@ -242,7 +298,7 @@ def _exchange_failure_flags(strategy: "pl.strategies.Strategy", failed: bool) ->
     """The global ranks on which a checkpoint step failed. Collective.
 
     Uses the strategy's ``_checkpoint_process_group`` if it has one (a gloo group whose timeout is
-    ``PL_CHECKPOINT_TIMEOUT``, see :func:`~pytorch_lightning.utilities.distributed._new_checkpoint_process_group`), so
+    ``PL_CHECKPOINT_TIMEOUT``, see :func:`_new_checkpoint_process_group`), so
     that the ranks waiting here for global rank 0 to write the file do not depend on the default group's timeout.
     """
     group = _checkpoint_process_group(strategy)
@@ -263,3 +319,12 @@ def _broadcast_failure(strategy: "pl.strategies.Strategy", failure: Optional[Tup
     received = [failure]
     torch.distributed.broadcast_object_list(received, src=src, group=group)
     return received[0]
+
+
+def _all_gather_objects(strategy: "pl.strategies.Strategy", obj: Any) -> List[Any]:
+    """``obj`` of every rank, by global rank, over the group :func:`_exchange_failure_flags` uses: the checkpoint
+    group, whose gloo backend keeps the pickled objects in host memory. Collective."""
+    group = _checkpoint_process_group(strategy)
+    gathered: List[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, obj, group=group)
+    return gathered

@@ -44,10 +44,11 @@ class _StreamedCheckpointFile:
     place with ``pwrite``. The result is an ordinary ``torch.save`` file, except that the CRC-32 fields of its zip
     records are not set (``torch.load`` does not check them).
 
-    As with :func:`atomic_save`, everything is written into a new temporary file in the destination directory:
-    :meth:`commit` flushes and ``fsync``-s it and renames it over ``path``; :meth:`discard` removes it, leaving any
-    earlier file at ``path`` untouched. Written data is flushed to disk every ``flush_bytes`` and dropped from the
-    page cache, so that a memory-limited container is not charged for the whole file.
+    As with :func:`~pytorch_lightning.utilities.cloud_io.atomic_save`, everything is written into a new temporary file
+    in the destination directory: :meth:`commit` flushes and ``fsync``-s it and renames it over ``path``;
+    :meth:`discard` removes it, leaving any earlier file at ``path`` untouched. Written data is flushed to disk every
+    ``flush_bytes`` and dropped from the page cache, so that a memory-limited container is not charged for the whole
+    file.
 
     Args:
         path: the local path the checkpoint is saved to.

@@ -58,6 +58,8 @@ class CheckpointFailuresMixin:
         # a rank that fails inside a per-unit loop of gathering the state keeps taking part in the loop's collectives
         # and in those that follow: the strategy keeps the error until ``dump_checkpoint`` is done
         strategy._defer_checkpoint_errors = collective
+        # what the gathered state will hold, for the strategy's host-memory check
+        strategy._checkpoint_weights_only = weights_only
         try:
             _checkpoint = self.dump_checkpoint(weights_only)
         except Exception as ex:

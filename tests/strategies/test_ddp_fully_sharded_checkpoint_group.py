@@ -1,0 +1,68 @@
+"""``DDPFullyShardedStrategy``'s gloo checkpoint group and what travels over it, on 2 CPU ranks
+(``tests/strategies/fsdp_checkpoint_group_scenarios.py``, see fsdp_harness/cpu_fsdp.py):
+
+- the host-memory check before a gathered save counts what the ranks will hold on the path that runs (the
+  consolidated optimizer state too, not for weights-only saves, nothing for streamed ones), reads the cgroup limit
+  (fake ``/proc`` and cgroup files), and adds up the ranks under one limit;
+- with ``flatten_parameters=False`` every rank's optimizer state reaches global rank 0 over the gloo checkpoint
+  group, as CPU tensors, not over the FSDP (NCCL) group;
+- a checkpoint group that cannot be created (gloo on an unusable interface) stops every rank in ``setup`` with an
+  error naming ``GLOO_SOCKET_IFNAME``, and ``PL_CHECKPOINT_GLOO_GROUP=0`` trains without it.
+"""
+import pytest
+
+from fsdp_harness.multiprocess import assert_success, run_module
+from fsdp_harness.scenario import read_results
+from tests.helpers.fake_proc import FakeProc
+
+SCENARIOS = "tests.strategies.fsdp_checkpoint_group_scenarios"
+
+
+@pytest.mark.timeout(360)
+def test_host_memory_check_and_per_rank_optimizer_states(tmp_path):
+    fake = FakeProc(tmp_path / "fake")
+    fake.set_mem_available(2**40)  # the host has plenty: only the job's cgroup limit is tight
+    out = tmp_path / "out"
+    args = ["host_memory", "--out", str(out), "--proc", str(tmp_path / "fake")]
+    assert_success(run_module(SCENARIOS, args, timeout=300))
+    results = read_results(out, 2)
+    for rank, result in enumerate(results):
+        # rank 0 needs S for the state dict and 2 S for Adam's consolidated state
+        assert result["gathered-2S"] is not None and "failed on global rank 0" in result["gathered-2S"], result
+        message = result["gathered-2S"]
+        assert "MemoryError: Gathering the checkpoint needs about 97.5 KiB of host memory" in message
+        assert "global rank 0: the state dict, 32.5 KiB and the consolidated optimizer state, 65.0 KiB" in message
+        assert f"the memory cgroup '{fake.job}'" in message
+        assert result["weights-only-2S"] is None and result["gathered-3.5S"] is None
+        assert result["streamed-0.5S"] is None and result["streamed-reason"] is None
+        # with the state dict on every rank, the job's two ranks need 2 S together
+        assert result["every-rank-1.5S"] is not None, result
+        both = "global rank 0: the state dict, 32.5 KiB; global rank 1: the state dict, 32.5 KiB"
+        assert both in result["every-rank-1.5S"]
+        assert result["every-rank-2.5S"] is None
+        assert result["per-rank"] is None
+        # only global rank 1 sends, only global rank 0 receives (its size, then its pickled state), over gloo, on CPU
+        expected = [{"op": "send" if rank else "recv", "device": "cpu", "checkpoint_group": True}] * 2
+        assert result["p2p"] == expected, result["p2p"]
+    assert not results[0]["gathered-2S-written"] and results[0]["gathered-3.5S-written"]
+    assert results[0]["saved_states"] == [r["own_state"] for r in results]
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_group_that_cannot_be_created(tmp_path):
+    # short, so that global rank 0 gives up waiting for global rank 1's gloo address quickly
+    env = {"PL_CHECKPOINT_TIMEOUT": "5"}
+    assert_success(run_module(SCENARIOS, ["gloo_group_fails", "--out", str(tmp_path)], timeout=240, env=env))
+    results = read_results(tmp_path, 2)
+    for rank, result in enumerate(results):
+        raised = result["raised"]
+        assert raised is not None and raised.startswith("MisconfigurationException"), result
+        assert "could not create the gloo process group" in raised
+        assert "Unable to find address for: pl_no_such_if0" in raised  # global rank 1's cause, on every rank
+        assert "GLOO_SOCKET_IFNAME" in raised and "PL_CHECKPOINT_GLOO_GROUP=0" in raised
+        assert result["seconds"] < 60, result
+        # the opt-out: no gloo group, training and saving work, and a failed save still stops every rank
+        assert result["checkpoint_group"] == "None" and result["global_step"] == 2
+        assert result["saved"] is None
+        assert result["full_disk"] is not None and "failed on global rank 0: OSError" in result["full_disk"], result
+    assert (tmp_path / "saved.ckpt").exists() and not (tmp_path / "full-disk.ckpt").exists()
