@@ -283,3 +283,35 @@ def test_fault_tolerant_training_keeps_full_unpickling(monkeypatch):
     monkeypatch.setenv("PL_FAULT_TOLERANT_TRAINING", "1")
     assert safe_load.resolve_weights_only(None) is False
     assert safe_load.resolve_weights_only(True) is True
+
+
+def test_a_load_keeps_what_the_user_allowed(malicious):
+    """``torch.serialization.safe_globals`` removes its types from torch's process-wide allow-list on exit: a
+    Lightning load must not take away a type the user allowed before."""
+    bad, _ = malicious
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([argparse.Namespace, AttributeDict])
+    try:
+        pl_load(str(bad.with_name("good.ckpt")))
+        allowed = torch.serialization.get_safe_globals()
+        assert argparse.Namespace in allowed and AttributeDict in allowed
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
+def test_the_tuners_own_file_choice_wins_over_the_trainer_call():
+    with safe_load.trainer_weights_only(False, own_file=True):
+        # ``CheckpointConnector`` passes the ``weights_only`` of the last Trainer call, e.g. ``fit(weights_only=True)``
+        with safe_load.trainer_weights_only(True):
+            assert safe_load.resolve_weights_only(None) is False
+    with safe_load.trainer_weights_only(True):
+        assert safe_load.resolve_weights_only(None) is True
+
+
+def test_old_torch_keeps_an_explicit_weights_only_true(malicious, monkeypatch):
+    bad, marker = malicious
+    monkeypatch.setattr(safe_load, "_SAFE_GLOBALS_AVAILABLE", False)
+    with pytest.raises(pickle.UnpicklingError):
+        pl_load(str(bad), weights_only=True)
+    assert not marker.exists()

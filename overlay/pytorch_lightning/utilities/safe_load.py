@@ -14,6 +14,7 @@ import inspect
 import os
 import pickle
 import re
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, List, Optional, Tuple
 
@@ -37,6 +38,7 @@ _trainer_choice: contextvars.ContextVar[Tuple[Optional[bool], bool]] = contextva
     "_trainer_choice", default=(None, False)
 )
 _warned: set = set()
+_SAFE_GLOBALS_LOCK = threading.RLock()
 
 
 def lightning_safe_globals() -> List[Any]:
@@ -46,8 +48,9 @@ def lightning_safe_globals() -> List[Any]:
     - Lightning's enums (``pytorch_lightning.utilities.enums``, ``pytorch_lightning.trainer.states``), which appear
       in hyperparameters; unpickling an enum only looks a member up by value.
     - With omegaconf installed, its containers, nodes and metadata: Lightning saves OmegaConf hyperparameters and their
-      type as they are (``hparams_type``). Unpickling them sets attributes and builds plain values; resolvers are
-      registered in code, never read from the file.
+      type as they are (``hparams_type``). Unpickling them sets attributes and builds plain values. Interpolations
+      (``${...}``) in them are resolved later, when the values are read, by the resolvers the program registered: a
+      program that registers a resolver that runs code (an ``eval`` resolver) runs it for a file's interpolation too.
 
     None of them runs code when it is unpickled: each is built from plain values and has no ``__setstate__`` or
     ``__reduce__`` that calls anything a file could choose.
@@ -112,7 +115,8 @@ def trainer_weights_only(weights_only: Optional[bool], own_file: bool = False) -
         own_file: the checkpoint was written by this process a moment ago (the tuners'), so loading it fully
             needs no warning.
     """
-    if weights_only is None:
+    if weights_only is None or _trainer_choice.get()[1]:
+        # no choice here, or inside a load of a file this process wrote, which the tuners make around the Trainer's
         yield
         return
     token = _trainer_choice.set((weights_only, own_file))
@@ -140,7 +144,11 @@ def safe_load(
             allowed; it names the global, the file and the two ways forward. Other unpickling errors (a corrupted
             file) are raised as ``torch.load`` raised them.
     """
+    chosen = weights_only if weights_only is not None else _trainer_choice.get()[0]
     weights_only = resolve_weights_only(weights_only)
+    if _WEIGHTS_ONLY_AVAILABLE and not _SAFE_GLOBALS_AVAILABLE and chosen is True:
+        # asked for explicitly: safe, even without the types Lightning writes, which this torch cannot allow
+        return load(*args, weights_only=True, **kwargs)
     if not _WEIGHTS_ONLY_AVAILABLE or (weights_only and not _SAFE_GLOBALS_AVAILABLE):
         _warn_once(
             "old-torch",
@@ -159,13 +167,23 @@ def safe_load(
             )
         return load(*args, weights_only=False, **kwargs)
     try:
-        with torch.serialization.safe_globals(lightning_safe_globals()):
-            return load(*args, weights_only=True, **kwargs)
+        # ``safe_globals`` removes its types from torch's process-wide allow-list on exit: only those the user did
+        # not allow already, and one load at a time
+        with _SAFE_GLOBALS_LOCK:
+            allowed = {id(entry[0] if isinstance(entry, tuple) else entry) for entry in _user_safe_globals()}
+            missing = [value for value in lightning_safe_globals() if id(value) not in allowed]
+            with torch.serialization.safe_globals(missing):
+                return load(*args, weights_only=True, **kwargs)
     except pickle.UnpicklingError as ex:
         refused = _refused(source, ex)
         if refused is None:
             raise
         raise refused from ex
+
+
+def _user_safe_globals() -> List[Any]:
+    get_safe_globals = getattr(torch.serialization, "get_safe_globals", None)
+    return list(get_safe_globals()) if get_safe_globals is not None else []
 
 
 def _refused(source: str, error: pickle.UnpicklingError) -> Optional[BaseException]:

@@ -58,8 +58,9 @@ class CheckpointFailuresMixin:
         # a rank that fails inside a per-unit loop of gathering the state keeps taking part in the loop's collectives
         # and in those that follow: the strategy keeps the error until ``dump_checkpoint`` is done
         strategy._defer_checkpoint_errors = collective
-        # what the gathered state will hold, for the strategy's host-memory check
+        # what the gathered state will hold, for the strategy's host-memory check, whose result is this save's only
         strategy._checkpoint_weights_only = weights_only
+        strategy._checkpoint_lacks_host_memory = False
         try:
             _checkpoint = self.dump_checkpoint(weights_only)
         except Exception as ex:
