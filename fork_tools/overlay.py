@@ -19,7 +19,7 @@ modules. A module naming a patch that does not exist at all is an error.
 import ast
 import re
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set
+from typing import Dict, Iterable, List, Optional, Set
 
 from fork_tools.series import PACKAGE_PREFIX, Tree, in_package
 from fork_tools.upstream import ROOT, BuildError
@@ -27,11 +27,6 @@ from fork_tools.upstream import ROOT, BuildError
 OVERLAY_DIR = ROOT / "overlay"
 FORK_GROUP = "fork"
 FEATURE_LINE = re.compile(r"^# fork-feature: (?P<name>\S+)\s*$")
-
-
-def builds_fork(groups: Optional[Sequence[str]]) -> bool:
-    """Whether a build of these groups (None: the whole series) includes the fork group, and so the overlay."""
-    return groups is None or FORK_GROUP in groups
 
 
 def overlay_files(overlay_dir: Path = OVERLAY_DIR) -> Dict[str, Path]:
