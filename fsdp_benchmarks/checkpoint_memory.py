@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="folder for checkpoints and rank results (default: a temp dir, removed)")
     parser.add_argument("--timeout", type=float, help="seconds per run, all ranks (default: scales with S and N)")
     parser.add_argument(
+        "--fit-every", type=int, default=0,
+        help="also time a fit of --fit-steps steps that saves every this many steps, per configuration and N, against"
+        " the same fit without saves (0: skip)",
+    )
+    parser.add_argument("--fit-steps", type=int, default=16, help="training steps of the --fit-every fits")
+    parser.add_argument(
         "--keep-checkpoints", action="store_true",
         help="keep each run's checkpoint in --out (to compare the files two builds write; they are S-sized)",
     )
@@ -123,6 +129,33 @@ def run_one(
     return run
 
 
+def fit_one(
+    config: str, world_size: int, every: int, args: argparse.Namespace, out: Path, build: lightning_builds.Build
+) -> Dict[str, Any]:
+    """One ``fit_with_checkpoints`` run (see :mod:`fsdp_benchmarks.worker`): rank 0's result, or a failed one."""
+    run_dir = out / f"fit-{config}-n{world_size}-every{every}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    worker_args = [
+        "fit_with_checkpoints", "--config", config, "--out", str(run_dir), "--devices", str(world_size),
+        "--size-mb", str(args.size_mb), "--units", str(args.units),
+        "--optimizer", registry.by_name(config).optimizer or args.optimizer,
+        "--accelerator", resolve_accelerator(args.accelerator, world_size), "--steps", str(args.fit_steps),
+        "--every", str(every),
+    ]
+    env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **registry.by_name(config).env}
+    timeout = args.timeout or 300 + 2.0 * args.size_mb * world_size
+    result = run_module("fsdp_benchmarks.worker", worker_args, timeout=timeout, env=env, path_first=build.path_first)
+    (run_dir / "output.log").write_text(result.output)
+    path = run_dir / "rank0.json"
+    for ckpt in run_dir.glob("*.ckpt"):
+        ckpt.unlink()
+    if result.returncode != 0 or not path.exists():
+        print(f"  fit {config} N={world_size} every={every}: FAILED\n{result.output[-3000:]}", file=sys.stderr)
+        return {"config": config, "world_size": world_size, "every": every, "ok": False}
+    return {**json.loads(path.read_text()), "ok": True}
+
+
 def main(argv: List[str] = None) -> int:
     args = build_parser().parse_args(argv)
     temp = None
@@ -133,6 +166,7 @@ def main(argv: List[str] = None) -> int:
         out = args.out
         out.mkdir(parents=True, exist_ok=True)
     runs: List[Dict[str, Any]] = []
+    fits: List[Dict[str, Any]] = []
     total = len(args.devices) * len(args.configs)
     start = time.monotonic()
     try:
@@ -148,11 +182,22 @@ def main(argv: List[str] = None) -> int:
                           f" +{run['node_save_peak_extra_anon_file_mb']:.1f} MiB anon+file"
                           f" ({run['node_save_x_s']:.2f} x S), resume +{run['node_load_peak_extra_mb']:.1f} MiB"
                           f" ({run['node_load_x_s']:.2f} x S), ok={run['ok']}, {run['wall_seconds']:.0f} s", flush=True)
+        if args.fit_every:
+            for world_size in args.devices:
+                plan = [(args.configs[0], 0)] + [(c, args.fit_every) for c in args.configs]
+                for config, every in plan:
+                    print(f"fit of {args.fit_steps} steps, {config}, N={world_size}, saving every {every}...", flush=True)
+                    fits.append(fit_one(config, world_size, every, args, out, builds[registry.by_name(config).build]))
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
     print()
     print(report.table(runs))
+    print()
+    print(report.stall_table(runs))
+    if fits:
+        print()
+        print(report.fit_table([f for f in fits if f["ok"]]))
     meta = {
         "command": " ".join(["python -m fsdp_benchmarks.checkpoint_memory", *(sys.argv[1:] if argv is None else argv)]),
         "size_mb": args.size_mb,
@@ -168,6 +213,7 @@ def main(argv: List[str] = None) -> int:
         "malloc_mmap_threshold": MMAP_THRESHOLD,
         "memory": "save: anonymous + mapped file pages; resume: anonymous, mapped file pages beside it (node: largest rank)",
         "seconds": time.monotonic() - start,
+        "fits": fits,
     }
     if args.json:
         report.write_json(runs, args.json, meta)
@@ -177,6 +223,7 @@ def main(argv: List[str] = None) -> int:
                     f" {args.optimizer} (*-adam: Adam)")
         print(f"wrote {args.plot}")
     failed = [f"{r['config']} N={r['world_size']}" for r in runs if not r["ok"]]
+    failed += [f"fit {f['config']} N={f['world_size']} every={f['every']}" for f in fits if not f["ok"]]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -32,11 +32,20 @@ class BenchConfig:
     env: Dict[str, str] = field(default_factory=dict)
     optimizer: Optional[str] = None
     build: str = "fork"
+    #: whether the ranks agree before each collective of the checkpoint's per-unit loops (the fork's default);
+    #: ``False`` only measures what the agreement costs, and leaves the ranks hanging if one of them fails
+    agree_before_collectives: bool = True
 
     @property
     def complete(self) -> bool:
         """Whether the checkpoint holds the whole optimizer state: 1.6.5 (the ``compat`` build) saves rank 0's shard."""
         return self.build != "compat"
+
+    @property
+    def in_background(self) -> bool:
+        """Whether the save is written in the background (``async_checkpoint=True``); then the worker saves inside
+        ``fit``, where it can be, and measures the training thread's stall apart from the time to the commit."""
+        return self.strategy_kwargs.get("async_checkpoint") is True
 
     @property
     def streams(self) -> bool:
@@ -65,6 +74,11 @@ _PURE_1_6_5 = (
 )
 _FORK_GATHERED = "the fork, gathered save: full state on rank 0, then streamed to disk (stream_checkpoint=False)"
 _FORK_STREAMED = "the fork's default: rank 0 writes the file while gathering unit by unit (stream_checkpoint=True)"
+_ASYNC = {"stream_checkpoint": True, "async_checkpoint": True}
+_FORK_ASYNC = (
+    "the streamed save in the background (async_checkpoint=True): training waits while each rank copies its shards to"
+    " host memory, then every rank's thread sends them to rank 0, which writes the file; measured inside fit"
+)
 
 CONFIGS: List[BenchConfig] = [
     BenchConfig("upstream", _PURE_1_6_5, build="compat"),
@@ -80,6 +94,22 @@ CONFIGS: List[BenchConfig] = [
     BenchConfig("upstream-adam", f"{_PURE_1_6_5}; Adam", build="compat", optimizer="adam"),
     BenchConfig("fork-adam", f"{_FORK_GATHERED}; Adam", _GATHERED, optimizer="adam"),
     BenchConfig("fork-stream-adam", f"{_FORK_STREAMED}; Adam", _STREAMED, optimizer="adam"),
+    BenchConfig("fork-async", _FORK_ASYNC, _ASYNC),
+    BenchConfig("fork-async-adam", f"{_FORK_ASYNC}; Adam", _ASYNC, optimizer="adam"),
+    BenchConfig(
+        "fork-no-agreement",
+        f"{_FORK_GATHERED}, without the ranks' agreement before each collective: not a setting users have, it only"
+        " measures what the agreement costs (a failure on one rank would leave the others waiting)",
+        _GATHERED,
+        agree_before_collectives=False,
+    ),
+    BenchConfig(
+        "fork-stream-no-agreement",
+        f"{_FORK_STREAMED}, without the ranks' agreement before each collective: not a setting users have, it only"
+        " measures what the agreement costs (a failure on one rank would leave the others waiting)",
+        _STREAMED,
+        agree_before_collectives=False,
+    ),
 ]
 
 

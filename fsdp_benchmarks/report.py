@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 #: What a run keeps per rank from ``rank<N>.json``'s ``save`` / ``load`` measurements, as ``save_<field>`` and
 #: ``load_<field>`` (MiB, seconds, Hz); ``cuda_max_allocated_mb`` exists in GPU mode only.
 _RANK_FIELDS = ("peak_extra_mb", "peak_extra_anon_file_mb", "peak_extra_file_mb", "seconds", "sample_hz",
-                "cuda_max_allocated_mb")
+                "cuda_max_allocated_mb", "stall_seconds", "first_stall_seconds")
 
 
 def _rank_row(r: Dict[str, Any]) -> Dict[str, Any]:
@@ -135,6 +135,49 @@ def table(runs: List[Dict[str, Any]]) -> str:
         lines.append(("  ".join(c.rjust(w) for c, w in zip(row, widths)) if len(row) == len(header) else "  ".join(row)).rstrip())
         if row[2] == "node" or len(row) != len(header):
             lines.append("")
+    return "\n".join(lines)
+
+
+def _synchronous_twin(config: str) -> str:
+    # ``fork-async`` against ``fork-stream``, ``fork-async-adam`` against ``fork-stream-adam``
+    return config.replace("fork-async", "fork-stream")
+
+
+def stall_table(runs: List[Dict[str, Any]]) -> str:
+    """For each run, the training thread's stall per save (the slowest rank's), the time until the file was committed
+    and, for a save in the background, the stall as a fraction of the synchronous streamed save of the same run
+    (``fork-async`` against ``fork-stream`` at the same N)."""
+    saves = {(r["config"], r["world_size"]): max(x["save_seconds"] for x in r["ranks"]) for r in runs if r["ranks"]}
+    header = f"{'config':>18}  {'N':>2}  {'stall s':>8}  {'commit s':>8}  {'stall / synchronous save':>24}"
+    lines = [header + f"  {'first save stall s':>18}"]
+    for run in runs:
+        if not run["ranks"] or "save_stall_seconds" not in run["ranks"][0]:
+            continue
+        stall = max(x["save_stall_seconds"] for x in run["ranks"])
+        commit = saves[(run["config"], run["world_size"])]
+        twin = saves.get((_synchronous_twin(run["config"]), run["world_size"]))
+        ratio = f"{stall / twin:.3f} (of {twin:.2f} s)" if twin and twin != commit else ""
+        first = [x["save_first_stall_seconds"] for x in run["ranks"] if "save_first_stall_seconds" in x]
+        first_cell = f"{max(first):.3f}" if first else ""
+        lines.append(
+            f"{run['config']:>18}  {run['world_size']:>2}  {stall:>8.3f}  {commit:>8.2f}  {ratio:>24}  {first_cell:>18}"
+        )
+    return "\n".join(lines)
+
+
+def fit_table(fits: List[Dict[str, Any]]) -> str:
+    """The wall time of fits that save every K steps, against the same fit without saves (``every`` 0) at each N."""
+    base = {f["world_size"]: f["fit_seconds"] for f in fits if f["every"] == 0}
+    lines = [f"{'config':>18}  {'N':>2}  {'every':>5}  {'saves':>5}  {'fit s':>7}  {'x no saves':>10}  {'stall s':>8}"]
+    for fit in fits:
+        stalls = sorted(fit["stalls"])
+        median = f"{stalls[len(stalls) // 2]:.3f}" if stalls else ""
+        ratio = f"{fit['fit_seconds'] / base[fit['world_size']]:.2f}" if base.get(fit["world_size"]) else ""
+        name = fit["config"] if fit["every"] else "no checkpoints"
+        lines.append(
+            f"{name:>18}  {fit['world_size']:>2}  {fit['every']:>5}  {len(stalls):>5}  {fit['fit_seconds']:>7.2f}"
+            f"  {ratio:>10}  {median:>8}"
+        )
     return "\n".join(lines)
 
 

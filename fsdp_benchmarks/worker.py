@@ -25,8 +25,9 @@ from the repository root. Every rank:
 """
 import argparse
 import os
+import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -50,10 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=["sgd", "sgd-plain", "adam"], default="sgd")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--ckpt-dir", type=Path, help="where the checkpoint is written (default: --out)")
+    parser.add_argument("--steps", type=int, default=12, help="fit_with_checkpoints: training steps")
+    parser.add_argument("--every", type=int, default=4, help="fit_with_checkpoints: save every N steps, 0: never")
 
 
 def make_strategy(args: argparse.Namespace) -> Any:
     config = by_name(args.config)
+    if not config.agree_before_collectives:
+        from pytorch_lightning.utilities import collective_guard
+
+        collective_guard.AGREE_BEFORE_COLLECTIVES = False
     kwargs = dict(config.strategy_kwargs)
     checkpoint_io = config.build_checkpoint_io()
     if checkpoint_io is not None:
@@ -173,20 +180,57 @@ class ResumeProbe(Callback):
         trainer.should_stop = True
 
 
+class SaveProbe(Callback):
+    """The measured save: ``trainer.save_checkpoint(path)`` on all ranks, in :class:`PeakMemory`, once, after fit.
+
+    ``in_fit``: at the end of fit's only epoch instead, where ``async_checkpoint=True`` writes in the background. The
+    memory window (and ``seconds``) lasts until ``wait_for_checkpoint`` returns, i.e. until the file is committed, and
+    covers the host copies the save allocates; ``first_stall_seconds`` is how long ``save_checkpoint`` blocked the
+    training thread. A second save follows, outside the window, whose stall is ``stall_seconds``: it reuses the host
+    copies of the first, as every later save in the background of a fit does."""
+
+    def __init__(self, path: Path, cuda: bool, in_fit: bool) -> None:
+        self.path, self.cuda, self.in_fit = path, cuda, in_fit
+        self.result: Dict[str, Any] = {}
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if not self.in_fit:
+            return
+        first_stall = self.save(trainer)
+        trainer.strategy.barrier("before-second-save")
+        start = time.monotonic()
+        trainer.save_checkpoint(self.path)
+        self.result.update(first_stall_seconds=first_stall, stall_seconds=time.monotonic() - start)
+        trainer.strategy.wait_for_checkpoint()
+
+    def save(self, trainer: Trainer) -> float:
+        """The measured save; returns how long ``save_checkpoint`` blocked."""
+        strategy = trainer.strategy
+        strategy.barrier("before-save")
+        with PeakMemory(cuda_device=strategy.root_device if self.cuda else None) as meter:
+            start = time.monotonic()
+            trainer.save_checkpoint(self.path)
+            stall = time.monotonic() - start
+            wait = getattr(strategy, "wait_for_checkpoint", None)
+            if callable(wait):
+                wait()
+        self.result = {**meter.result(), "stall_seconds": stall}
+        strategy.barrier("after-save")
+        return stall
+
+
 def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     ckpt_dir = args.ckpt_dir or args.out
     path = Path(ckpt_dir) / f"{args.config}-n{args.devices}.ckpt"
     model = make_model(args)
-    trainer = make_trainer(args)
+    cuda = args.accelerator == "gpu"
+    saver = SaveProbe(path, cuda, in_fit=by_name(args.config).in_background)
+    trainer = make_trainer(args, callbacks=[saver])
     trainer.fit(model)
     rank = trainer.global_rank
     width = model.width
-
-    cuda = args.accelerator == "gpu"
-    trainer.strategy.barrier("before-save")
-    with PeakMemory(cuda_device=trainer.strategy.root_device if cuda else None) as save:
-        trainer.save_checkpoint(path)
-    trainer.strategy.barrier("after-save")
+    if not saver.in_fit:
+        saver.save(trainer)
     save_check = check_saved_file(model, path, rank, args)
     checkpoint_mb = os.path.getsize(path) / MIB if rank == 0 else None
     stream_check = verify_streamed_file(trainer, path, rank) if by_name(args.config).streams else None
@@ -216,7 +260,7 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "lightning_version": pytorch_lightning.__version__,
         "lightning_file": pytorch_lightning.__file__,
-        "save": save.result(),
+        "save": saver.result,
         "load": probe.result,
     }
     if rank == 0:
@@ -231,5 +275,41 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+class PeriodicSaves(Callback):
+    """``trainer.save_checkpoint`` every ``every`` training steps, timing how long each blocks the training thread."""
+
+    def __init__(self, path: Path, every: int) -> None:
+        self.path, self.every = path, every
+        self.stalls: List[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self.every and trainer.global_step % self.every == 0:
+            start = time.monotonic()
+            trainer.save_checkpoint(self.path)
+            self.stalls.append(time.monotonic() - start)
+
+
+def fit_with_checkpoints(args: argparse.Namespace) -> Dict[str, Any]:
+    """The wall time of a fit of ``--steps`` steps that saves every ``--every`` steps (none with 0), from
+    ``Trainer.fit`` until it returns (which waits for a save still in flight), and each save's stall."""
+    ckpt_dir = args.ckpt_dir or args.out
+    saves = PeriodicSaves(Path(ckpt_dir) / f"{args.config}-n{args.devices}-every{args.every}.ckpt", args.every)
+    seed_everything(1234, workers=True)
+    model = CheckpointModel(args.size_mb, args.units, args.devices, optimizer=args.optimizer, batches=args.steps)
+    trainer = make_trainer(args, callbacks=[saves])
+    start = time.monotonic()
+    trainer.fit(model)
+    return {
+        "rank": trainer.global_rank,
+        "config": args.config,
+        "world_size": args.devices,
+        "every": args.every,
+        "steps": trainer.global_step,
+        "fit_seconds": time.monotonic() - start,
+        "stalls": saves.stalls,
+        "lightning_file": pytorch_lightning.__file__,
+    }
+
+
 if __name__ == "__main__":
-    main({"save_and_resume": save_and_resume}, add_arguments)
+    main({"save_and_resume": save_and_resume, "fit_with_checkpoints": fit_with_checkpoints}, add_arguments)

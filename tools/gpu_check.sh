@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: the standalone (GPU) tests and the gathered and streamed Adam benchmark configurations on CUDA, in under 9 min.
+# GPU check: the standalone (GPU) tests and the gathered, streamed and asynchronous Adam benchmark configurations on
+# CUDA, in under 9 min.
 #
 # Run from the repository root after README.md's setup (with the CUDA build of torch installed first); it installs
 # nothing. With 2+ GPUs the benchmark's state dict and optimizer state are gathered through NCCL on 2 ranks; with
@@ -47,12 +48,12 @@ fi
 if [ "$gpus" -ge 1 ]; then
     accelerator=gpu
     devices=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
-    bench=("$PYTHON" -m "$BENCH_MODULE" --accelerator gpu --devices "$devices" --configs fork-adam,fork-stream-adam
+    bench=("$PYTHON" -m "$BENCH_MODULE" --accelerator gpu --devices "$devices" --configs fork-adam,fork-stream-adam,fork-async-adam
            --size-mb 64 --units 8 --json "$out/benchmark.json")
 elif [ "$cpu_fallback" -eq 1 ]; then
     accelerator=cpu
     devices=2
-    bench=("$PYTHON" -m "$BENCH_MODULE" --accelerator cpu --devices 2 --configs fork-adam,fork-stream-adam
+    bench=("$PYTHON" -m "$BENCH_MODULE" --accelerator cpu --devices 2 --configs fork-adam,fork-stream-adam,fork-async-adam
            --size-mb 16 --units 4 --json "$out/benchmark.json")
 else
     note "gpu_check: no CUDA device visible to $PYTHON; nothing checked (use --cpu-fallback or --dry-run)"

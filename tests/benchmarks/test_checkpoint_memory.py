@@ -18,7 +18,10 @@ import pytest
 from fsdp_harness.multiprocess import ROOT
 
 MODULE = "fsdp_benchmarks.checkpoint_memory"
-CONFIGS = ["upstream", "rank0-only", "fork", "fork-stream", "upstream-adam", "fork-adam", "fork-stream-adam"]
+CONFIGS = [
+    "upstream", "rank0-only", "fork", "fork-stream", "upstream-adam", "fork-adam", "fork-stream-adam",
+    "fork-async", "fork-async-adam", "fork-no-agreement", "fork-stream-no-agreement",
+]
 SMOKE_CONFIGS = ["upstream", "rank0-only", "fork", "upstream-adam", "fork-stream-adam"]
 INCOMPLETE = {"upstream", "upstream-adam"}  # pure 1.6.5: rank 0's optimizer shard only
 STREAMED = {"fork-stream", "fork-stream-adam"}

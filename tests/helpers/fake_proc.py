@@ -8,7 +8,7 @@ it. cgroup v2 mounts the unified hierarchy at ``<root>/sys/fs/cgroup``; v1 mount
 sees its host's hierarchy from its own cgroup on).
 """
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Tuple, Union
 
 KIB = 1024
 
@@ -65,6 +65,15 @@ class FakeProc:
     @staticmethod
     def _escape(path: Path) -> str:
         return str(path).replace("\\", "\\134").replace(" ", "\\040")
+
+    def set_mounts(self, mounts: Sequence[Tuple[Union[str, Path], str]]) -> None:
+        """``<proc>/self/mounts``, the mount table that ``psutil.disk_partitions`` reads where ``psutil.PROCFS_PATH``
+        is :attr:`proc`: a line ``source mountpoint fstype options 0 0`` for each ``(mount point, fstype)``, in order
+        (the last of several at one mount point hides the others), with the kernel's escapes."""
+        lines = (
+            f"src{i} {self._escape(Path(point))} {fstype} rw,relatime 0 0\n" for i, (point, fstype) in enumerate(mounts)
+        )
+        (self.proc / "self" / "mounts").write_text("".join(lines))
 
     def set_mem_available(self, available: int) -> None:
         """``MemAvailable`` in ``/proc/meminfo`` (in kB there, as the kernel writes it)."""

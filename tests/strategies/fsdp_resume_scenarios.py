@@ -145,6 +145,8 @@ LAYOUTS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {
     # FairScale keeps the FSDP shards on the CPU; parameters and a buffer outside FSDP. One FSDP instance per block:
     # with ``cpu_offload`` FairScale 0.4.13 cannot gather an instance without parameters of its own (``IndexError``
     # in ``summon_full_params``), such as the outer one of nested ``wrap``
+    # checkpoints written in the background; parameters outside FSDP, saved from global rank 0 in the training thread
+    "async": ({"extra_before": True, "extra_after": True}, {"async_checkpoint": True}),
     "offload": (
         {"extra_before": True, "extra_after": True, "outside_buffer": True, "wrapping": "auto_wrap"},
         {"cpu_offload": True, "min_num_params": 50},
@@ -223,9 +225,26 @@ def report(args: argparse.Namespace, trainer: Trainer, model: ResumeModel, **ext
         "lrs": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
         # why the last save was not streamed (``stream_checkpoint``), ``None`` if it was
         "stream_reason": getattr(trainer.strategy, "_last_checkpoint_stream_reason", "no save"),
+        # why the last save with ``async_checkpoint=True`` was synchronous, ``None`` if none was
+        "synchronous_reason": getattr(trainer.strategy, "_last_synchronous_reason", None),
     }
     result.update(extra)
     return result
+
+
+def _count_background_saves() -> List[Any]:
+    """A list that each save written in the background (``async_checkpoint=True``) appends itself to."""
+    from pytorch_lightning.strategies import fsdp_async_checkpoint
+
+    started: List[Any] = []
+    original = fsdp_async_checkpoint._BackgroundSave.start
+
+    def start(job: Any) -> None:
+        started.append(job)
+        original(job)
+
+    fsdp_async_checkpoint._BackgroundSave.start = start
+    return started
 
 
 def fit(args: argparse.Namespace) -> Dict[str, Any]:
@@ -254,6 +273,7 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
         return result
 
     strategy.sync_replicated_gradients = counting_sync
+    background = _count_background_saves()
     devices_ok: List[bool] = []
     if args.mock_cuda_root:
         load = strategy.load_optimizer_state_dict
@@ -276,7 +296,7 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
     return report(
         args, trainer, model, syncs=len(syncs), state_devices_ok=devices_ok, sharded_in=model.sharded_in,
         restored_at_fit_start=order.restored_at_fit_start, sync_devices=sorted(sync_devices),
-        placement=placement(trainer, model),
+        placement=placement(trainer, model), background_saves=len(background),
     )
 
 

@@ -12,13 +12,17 @@ import torch
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives, _reset_interrupted_gathers
 from pytorch_lightning.utilities.checkpoint_errors import (
     _all_gather_objects,
     _catching_state_dict_hooks,
-    _CollectiveFailure,
     _exchange_failure_flags,
+    _exchange_flag_values,
+    _failure_flag_buffers,
+    FINAL_EXCHANGE_FLAG,
     _new_checkpoint_process_group,
 )
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
 from pytorch_lightning.utilities.distributed import distributed_available
 from pytorch_lightning.utilities.host_memory import format_bytes, host_memory_bounds, overcommitted_bound
 
@@ -36,19 +40,20 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
             self._checkpoint_process_group = _new_checkpoint_process_group(self)
 
     def _gather_state_dict_on_every_rank(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """``gather()``, FairScale's collective state-dict gather, or ``None`` where it failed on this rank.
+        """``gather()``, FairScale's collective state-dict gather, or ``None`` where it failed on any rank.
 
         First the ranks check that they have the host memory for what they will hold (see
-        :meth:`_check_host_memory_for_checkpoint`); if the ranks under one bound do not, no rank gathers anything. If
-        the local part of a unit's gather (FairScale's state-dict hook, which copies the unit's tensors) fails on a
-        rank, that rank still takes part in the gathers of the remaining units. Either error is raised by
+        :meth:`_check_host_memory_for_checkpoint`); if the ranks under one bound do not, no rank gathers anything.
+        Before each of FairScale's collectives the ranks agree that all of them can take part (see
+        :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`), so a failure on one rank, inside
+        FairScale's gather of a unit (allocating its full parameters) or in FairScale's state-dict hook (which copies
+        the unit's tensors), stops every rank before the next collective. The error is raised by
         ``Trainer.save_checkpoint`` on every rank before anything is written (see :meth:`_record_checkpoint_error`).
         """
-        failure = _CollectiveFailure()
         modules = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
         memory_error, short_ranks = self._check_host_memory_for_checkpoint(modules)
         # read by ``optimizer_state``: then no rank consolidates the optimizer state of this save either
-        self._checkpoint_lacks_host_memory = bool(short_ranks)
+        self._checkpoint_abandoned = bool(short_ranks)
         if short_ranks:
             # no rank gathers: a rank that ran out of host memory in the middle of the gather would be killed
             if memory_error is not None:
@@ -58,12 +63,20 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
                     f"The state dict was not gathered: global rank {short_ranks[0]} lacks the host memory for it."
                 )
             return None
-        with _catching_state_dict_hooks(modules, failure):
-            state_dict = gather()
-        if failure.failed:
-            # every rank has been through every FSDP unit's gather: the error is raised once the other collectives
-            # of the checkpoint have run too, see ``_record_checkpoint_error``
-            self._record_checkpoint_error(failure.error)
+        guard = self._new_collective_guard()
+        state_dict = None
+        with _catching_state_dict_hooks(modules, guard), _agreeing_fairscale_collectives(guard, self._process_group):
+            try:
+                state_dict = gather()
+            except _PeerFailed:
+                pass
+            except Exception as ex:
+                guard.record(ex)
+            finally:
+                _reset_interrupted_gathers(modules)
+        if guard.settle():
+            self._checkpoint_abandoned = True
+            self._record_checkpoint_error(guard.error_to_raise())
             return None
         return state_dict
 
@@ -129,17 +142,39 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
             held.append(f"the consolidated optimizer state, {format_bytes(optimizer_states)}")
         return needed, " and ".join(held) or "nothing"
 
-    def _exchange_checkpoint_failure_flags(self, failed: bool) -> List[int]:
+    def _exchange_checkpoint_failure_flags(
+        self, failed: bool, buffers: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None
+    ) -> List[int]:
         """The global ranks that report ``failed``. Collective when more than one process runs."""
         if not distributed_available() or self.world_size < 2:
             return [self.global_rank] if failed else []
-        return _exchange_failure_flags(self, failed)
+        return _exchange_failure_flags(self, failed, buffers)
+
+    def _new_collective_guard(self) -> _CollectiveGuard:
+        """The guard of one per-unit loop of a checkpoint (see
+        :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`). Its agreements exchange over tensors
+        allocated here, before the loop's first step: a rank that ran out of memory still takes part in them."""
+        if not distributed_available() or self.world_size < 2:
+            return _CollectiveGuard(lambda failed: self._exchange_checkpoint_failure_flags(failed))
+        buffers = _failure_flag_buffers(self)
+
+        def exchange(failed: bool) -> List[int]:
+            flags = _exchange_flag_values(self, failed, buffers)
+            failed_ranks = [rank for rank, flag in enumerate(flags) if flag]
+            if FINAL_EXCHANGE_FLAG in flags:
+                # a rank that failed outside the loop is in the final exchange of the save (or load) already, and
+                # goes on to broadcast its error: this rank joins it there, with these flags, after leaving the loop
+                self._checkpoint_final_flags = failed_ranks
+            return failed_ranks
+
+        return _CollectiveGuard(exchange)
 
     def _record_checkpoint_error(self, error: BaseException) -> None:
         """Called at the end of a per-unit loop of :meth:`lightning_module_state_dict` or :meth:`optimizer_state`
-        that failed on this rank: while ``Trainer.save_checkpoint`` gathers the state (``_defer_checkpoint_errors``),
-        the first ``error`` is kept instead of raised, since the other ranks go on into the next collective of the
-        checkpoint; the save takes it (``_pop_checkpoint_error``) once all of them have run and raises it on every
+        that failed on this rank (a ``_PeerFailed`` on the ranks that stopped because another one failed): while
+        ``Trainer.save_checkpoint`` gathers the state (``_defer_checkpoint_errors``), the first ``error`` is kept
+        instead of raised, since the ranks go on into the next collectives of the checkpoint (the failure-flag
+        exchanges); the save takes it (``_pop_checkpoint_error``) once all of them have run and raises it on every
         rank, before anything is written. Called outside a save, this raises ``error``."""
         if not getattr(self, "_defer_checkpoint_errors", False):
             raise error

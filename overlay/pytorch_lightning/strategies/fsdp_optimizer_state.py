@@ -13,7 +13,9 @@ from typing_extensions import override
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.utilities.apply_func import apply_to_collection
-from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group, _CollectiveFailure
+from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
@@ -80,28 +82,30 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         Args:
             optimizer: the optimizer whose state is saved.
         """
-        if getattr(self, "_defer_checkpoint_errors", False) and getattr(self, "_checkpoint_lacks_host_memory", False):
-            # this save already failed on every rank: the ranks lack the host memory for it (see
-            # ``lightning_module_state_dict``), so none of them consolidates anything either
+        if getattr(self, "_defer_checkpoint_errors", False) and getattr(self, "_checkpoint_abandoned", False):
+            # this save already failed on every rank (a rank lacks the host memory for it, or a gather failed on one,
+            # see ``lightning_module_state_dict``), so none of them consolidates anything either
             return {}
         layout = self._optimizer_state_layout()
         state = optimizer.state_dict()
         if layout == "replicated":
             return {} if self.state_dict_on_rank_0_only and self.global_rank != 0 else state
+        guard = self._new_collective_guard()
         if layout == "per_rank":
-            return self._gather_local_optimizer_states(state) or self._optimizer_state_off_rank_zero(optimizer)
+            local_states = self._gather_local_optimizer_states(state, guard)
+            if self._abandon_checkpoint_if_failed(guard):
+                return {}
+            return local_states or self._optimizer_state_off_rank_zero(optimizer)
         # FairScale converts tensor ``step`` entries to ints in place; a shallow copy of each per-parameter dict
         # keeps the live optimizer state untouched (Adam needs its ``step`` to stay a tensor).
         state["state"] = {key: dict(value) for key, value in state["state"].items()}
         root_param_ids = self._optimizer_root_param_ids(optimizer)
-        failure = _CollectiveFailure()
         consolidated = [
-            self._consolidate_optimizer_state(root, _root_optimizer_state(state, param_ids), failure)
+            self._consolidate_optimizer_state(root, _root_optimizer_state(state, param_ids), guard)
             for root, param_ids in zip(self._outermost_fsdp_modules(), root_param_ids)
         ]
-        if failure.failed:
-            # every rank has been through every consolidation: raised by ``Trainer.save_checkpoint`` on every rank
-            self._record_checkpoint_error(failure.error)
+        if self._abandon_checkpoint_if_failed(guard):
+            # every rank stopped at the same collective: raised by ``Trainer.save_checkpoint`` on every rank
             return {}
         if self.global_rank != 0:
             return self._optimizer_state_off_rank_zero(optimizer)
@@ -119,14 +123,33 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         return {} if self.state_dict_on_rank_0_only else optimizer.state_dict()
 
     def _consolidate_optimizer_state(
-        self, root: "FullyShardedDataParallel", state: Dict[str, Any], failure: _CollectiveFailure
+        self, root: "FullyShardedDataParallel", state: Dict[str, Any], guard: _CollectiveGuard
     ) -> Optional[Dict[str, Any]]:
+        if guard.stopped:
+            return None
         instances = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
-        if root.world_size > 1 and any(m.no_broadcast_optim_state for m in instances):
-            return root.gather_full_optim_state_dict(_StateDictProvider(state))
-        return _gather_full_optimizer_state(root, state, failure)
+        with _agreeing_fairscale_collectives(guard, root.process_group):
+            try:
+                if root.world_size > 1 and any(m.no_broadcast_optim_state for m in instances):
+                    return root.gather_full_optim_state_dict(_StateDictProvider(state))
+                return _gather_full_optimizer_state(root, state, guard)
+            except _PeerFailed:
+                return None
+            except Exception as ex:
+                guard.record(ex)
+                return None
 
-    def _gather_local_optimizer_states(self, state: Dict[str, Any]) -> Dict[str, Any]:
+    def _abandon_checkpoint_if_failed(self, guard: _CollectiveGuard) -> bool:
+        """Settle ``guard`` (collective); if its loop failed on any rank, record the error for
+        ``Trainer.save_checkpoint`` to raise on every rank (see ``_record_checkpoint_error``), let the rest of this
+        save gather nothing more, and return ``True``."""
+        if not guard.settle():
+            return False
+        self._checkpoint_abandoned = True
+        self._record_checkpoint_error(guard.error_to_raise())
+        return True
+
+    def _gather_local_optimizer_states(self, state: Dict[str, Any], guard: _CollectiveGuard) -> Dict[str, Any]:
         """Every rank's local optimizer state, on the CPU of global rank 0, received one rank at a time.
 
         The states travel pickled, as CPU tensors, over the gloo group of all ranks that the strategy has for
@@ -134,12 +157,16 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         and every pair of ranks would get a communicator of its own. Without that group (``PL_CHECKPOINT_GLOO_GROUP=0``)
         they go over the default process group.
         """
-        local = apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu())
+        local = None
+        with guard.catch():
+            local = apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu())
         if self.world_size == 1:
-            return {"fsdp_per_rank": [local]}
+            return {"fsdp_per_rank": [local]} if local is not None else {}
         group = _checkpoint_process_group(self)
         states = [local]
         for src in range(1, self.world_size):
+            if not guard.agree():
+                return {}
             if self.global_rank == src:
                 torch.distributed.send_object_list([local], dst=0, group=group)
             elif self.global_rank == 0:
@@ -256,7 +283,7 @@ def _root_optimizer_state(state: Dict[str, Any], param_ids: List[Optional[int]])
 
 
 def _gather_full_optimizer_state(
-    root: "FullyShardedDataParallel", state: Dict[str, Any], failure: Optional[_CollectiveFailure] = None
+    root: "FullyShardedDataParallel", state: Dict[str, Any], guard: _CollectiveGuard
 ) -> Optional[Dict[str, Any]]:
     """FairScale's ``gather_full_optim_state_dict``, one FSDP instance at a time.
 
@@ -266,15 +293,13 @@ def _gather_full_optimizer_state(
     holds the full optimizer state once plus one instance in transit. The shards are gathered to rank 0 only (see
     :func:`_gather_optim_state_to_rank_zero`). Collective; other ranks return ``None``.
 
-    With ``failure``, an exception of the local work of an instance on any rank (moving its state to the gather
-    device; on rank 0 the concatenation and the views) is recorded there and not raised: the rank keeps taking part
-    in the gathers of the remaining instances, sending zeros of the same shapes, skips their local work, and returns
-    ``None``. Without ``failure`` the exception is raised, after those gathers.
+    An exception of the local work of an instance on any rank (moving its state to the gather device, allocating
+    the receive buffers; on rank 0 the concatenation and the views) is recorded in ``guard`` and not raised; the
+    ranks agree before each gather (and, through :func:`_agreeing_fairscale_collectives`, before FairScale's own
+    collectives), so once one rank failed every rank stops before the next gather, and this returns ``None``.
     """
     from fairscale.nn.data_parallel import get_fsdp_instances
     from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
-
-    recorded = failure if failure is not None else _CollectiveFailure()
 
     root._lazy_init()
     for buffers in state["state"].values():
@@ -295,16 +320,15 @@ def _gather_full_optimizer_state(
         param_id_map.update({global_id: None if buffers is None else local_id for global_id in global_ids})
         if buffers is None:
             continue  # a parameter without optimizer state (unused), on every rank alike
-        if not recorded.failed:
-            with recorded.catch():
-                buffers = _optimizer_state_to_gather_device(buffers, root.compute_device)
-        if recorded.failed:
-            # the gathers below are collectives: take part with zeros of the same shapes
-            buffers = {name: torch.zeros_like(t) if torch.is_tensor(t) else t for name, t in buffers.items()}
-        tensors, singletons = _gather_optim_state_to_rank_zero(root, instance, local_id, buffers)
-        if root.rank != 0 or recorded.failed:
+        if guard.stopped:
+            break
+        with guard.catch():
+            buffers = _optimizer_state_to_gather_device(buffers, root.compute_device)
+        gathered = _gather_optim_state_to_rank_zero(root, instance, local_id, buffers, guard)
+        if gathered is None or root.rank != 0:
             continue
-        with recorded.catch():
+        tensors, singletons = gathered
+        with guard.catch():
             entries: List[Dict[str, Any]] = [{} for _ in global_ids]
             for name, values in tensors[local_id].items():
                 if not torch.is_tensor(values[0]):
@@ -318,10 +342,8 @@ def _gather_full_optimizer_state(
             for entry in entries:
                 entry.update(singletons[local_id])
             unflat_state.update(zip(global_ids, entries))
-    if recorded.failed:
+    if guard.stopped:
         unflat_state.clear()
-        if failure is None:
-            recorded.raise_if_failed()
         return None
     if root.rank != 0:
         return None
@@ -340,51 +362,76 @@ def _optimizer_state_to_gather_device(buffers: Dict[str, Any], device: torch.dev
 
 
 def _gather_optim_state_to_rank_zero(
-    root: "FullyShardedDataParallel", instance: "FullyShardedDataParallel", local_id: int, buffers: Dict[str, Any]
-) -> Tuple[Dict[int, Any], Dict[int, Any]]:
+    root: "FullyShardedDataParallel",
+    instance: "FullyShardedDataParallel",
+    local_id: int,
+    buffers: Dict[str, Any],
+    guard: _CollectiveGuard,
+) -> Optional[Tuple[Dict[int, Any], Dict[int, Any]]]:
     """What FairScale's ``_gather_optim_state`` returns on rank 0 of ``root``'s process group for the FSDP instance
     ``local_id`` (its every rank's state tensors, and rank 0's other values), collected with
     ``torch.distributed.gather`` instead of ``all_gather``: the other ranks never hold more than their own shard.
-    Collective; the other ranks get empty dicts.
+    Collective; the other ranks get empty dicts, and every rank ``None`` once a rank failed (see ``guard``).
 
     A unit sharded over a process group of its own (``instance``, which FairScale allows, e.g. for experts) is
-    gathered by FairScale itself, over that group.
+    gathered by FairScale itself, over that group, after the agreements of
+    :func:`~pytorch_lightning.strategies.fsdp_guarded_gathers._agreeing_fairscale_collectives`.
     """
     from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
 
-    if root.world_size == 1:
-        return _local_optim_state(local_id, buffers)
+    if root.world_size == 1 or guard.stopped:
+        # a rank that failed allocates nothing more: it tells the others at the next agreement
+        return None if guard.stopped else _local_optim_state(local_id, buffers)
     if instance.process_group is not root.process_group:
-        return root._gather_optim_state({local_id: buffers})
+        try:
+            return root._gather_optim_state({local_id: buffers})
+        except _PeerFailed:
+            return None
     tensors: Dict[str, List[Any]] = {}
     singletons: Dict[str, List[Any]] = {}
     for name, value in buffers.items():
         if not torch.is_tensor(value):
             tensors[name] = [value]
             continue
-        gathered = _gather_to_rank_zero(value.to(root.compute_device), root.world_size, root.process_group)
+        received = None
+        if not guard.stopped:
+            with guard.catch():
+                received = _gather_buffers(value, root.world_size, root.process_group)
+        if not guard.agree():
+            return None
+        gathered = _gather_into(value, received, root.process_group)
         if gathered is None:
             continue
-        if is_singleton_tensor(value):
-            singletons[name] = [x.cpu().squeeze() for x in gathered]
-        else:
-            tensors[name] = [x.cpu() for x in gathered]
+        with guard.catch():
+            if is_singleton_tensor(value):
+                singletons[name] = [x.cpu().squeeze() for x in gathered]
+            else:
+                tensors[name] = [x.cpu() for x in gathered]
     return {local_id: tensors}, {local_id: singletons}
 
 
-def _gather_to_rank_zero(tensor: torch.Tensor, world_size: int, group: Any) -> Optional[List[torch.Tensor]]:
-    """Every rank's ``tensor`` (all of one shape) on the first rank of ``group``, ``None`` on the others.
-    Collective."""
+def _group_root(group: Any) -> int:
+    """The global rank of the first rank of ``group`` (the default group where ``None``)."""
     get_global_rank = getattr(torch.distributed, "get_global_rank", None)  # public since torch 2.0
     if get_global_rank is None:
         get_global_rank = torch.distributed.distributed_c10d._get_global_rank
-    dst = get_global_rank(group, 0) if group is not None else 0
-    if torch.distributed.get_rank() != dst:
-        torch.distributed.gather(tensor, None, dst=dst, group=group)
+    return get_global_rank(group, 0) if group is not None else 0
+
+
+def _gather_buffers(tensor: torch.Tensor, world_size: int, group: Any) -> Optional[List[torch.Tensor]]:
+    """On the first rank of ``group``, the buffers that :func:`_gather_into` receives every rank's ``tensor`` into;
+    ``None`` on the others. Allocated before the gather's agreement, so that running out of memory here stops every
+    rank before the gather rather than in it."""
+    if torch.distributed.get_rank() != _group_root(group):
         return None
-    gathered = [torch.empty_like(tensor) for _ in range(world_size)]
-    torch.distributed.gather(tensor, gathered, dst=dst, group=group)
-    return gathered
+    return [torch.empty_like(tensor) for _ in range(world_size)]
+
+
+def _gather_into(tensor: torch.Tensor, received: Optional[List[torch.Tensor]], group: Any) -> Optional[List[torch.Tensor]]:
+    """Every rank's ``tensor`` (all of one shape) in ``received`` on the first rank of ``group`` (see
+    :func:`_gather_buffers`), ``None`` on the others. Collective."""
+    torch.distributed.gather(tensor, received, dst=_group_root(group), group=group)
+    return received
 
 
 def _local_optim_state(local_id: int, buffers: Dict[str, Any]) -> Tuple[Dict[int, Any], Dict[int, Any]]:

@@ -5,15 +5,16 @@ The hooks are ``DDPFullyShardedStrategy``'s base class, ``setup`` (which records
 ``Trainer._run`` (which restores before ``on_fit_start``).
 """
 # fork-feature: fork/fsdp-restore-after-sharding.patch
-from typing import Any, List, Mapping
+from typing import Any, Iterator, List, Mapping, Set, Tuple
 
 import torch
 from typing_extensions import override
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives, _reset_interrupted_gathers
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.checkpoint_errors import _CollectiveFailure
+from pytorch_lightning.utilities.collective_guard import _PeerFailed
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
@@ -64,8 +65,8 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
         are copied from the checkpoint, and each rank keeps only its shard afterwards, so no rank ever holds more
         than one gathered unit. Parameters outside FSDP and all buffers are loaded by ``load_state_dict``. Missing
         and unexpected keys raise, as a strict ``load_state_dict`` does. This is a collective call: all ranks must
-        call it. If copying a unit's parameters fails on a rank, that rank still gathers the remaining units with the
-        others and raises once all of them are done.
+        call it. If gathering or copying a unit fails on a rank, every rank stops before the next gather: the failing
+        rank raises its error, the others an error that names it.
 
         Lightning 1.6.5 restored checkpoints before ``configure_sharded_model``, so LightningModules re-create their
         unwrapped layers in ``on_load_checkpoint`` to load the full state dict into them. If that hook replaced
@@ -84,39 +85,26 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
             return super().load_model_state_dict(checkpoint)
         state_dict = checkpoint["state_dict"]
         loaded, missing = set(), []
-        # ``summon_full_params`` is a collective: a rank whose local copy fails keeps gathering the remaining units
-        # with the other ranks, skips their copies, and raises at the end
-        failure = _CollectiveFailure()
-        with torch.no_grad():
+        # ``summon_full_params`` is a collective: the ranks agree before each of its gathers that all of them can take
+        # part, so a failure on one rank (copying a unit, or allocating its full parameters inside FairScale) stops
+        # every rank before the next gather; the failing rank raises its error, the others ``_PeerFailed``
+        guard = self._new_collective_guard()
+        with torch.no_grad(), _agreeing_fairscale_collectives(guard, self._process_group):
             for prefix, instance in instances:
-                nested = {
-                    id(p)
-                    for child in instance.modules()
-                    if child is not instance and isinstance(child, FullyShardedDataParallel)
-                    for p in child.parameters()
-                }
-                with instance.summon_full_params(recurse=False):
-                    if failure.failed:
-                        continue
-                    with failure.catch():
-                        # a parameter shared between modules of the instance (tied embeddings) is registered under
-                        # each of its names while summoned, and the state dict has it under each: load every name
-                        for name, param in instance.named_parameters(remove_duplicate=False):
-                            if id(param) in nested:
-                                continue
-                            key = _clean_fsdp_key(f"{prefix}.{name}" if prefix else name)
-                            if key not in state_dict:
-                                missing.append(key)
-                                continue
-                            if param.shape != state_dict[key].shape:
-                                raise RuntimeError(
-                                    f"size mismatch for {key}: copying a param with shape"
-                                    f" {tuple(state_dict[key].shape)} from checkpoint, the shape in current model is"
-                                    f" {tuple(param.shape)}."
-                                )
-                            param.copy_(state_dict[key])
-                            loaded.add(key)
-        failure.raise_if_failed()
+                if guard.stopped:
+                    break
+                try:
+                    with instance.summon_full_params(recurse=False):
+                        with guard.catch():
+                            missing += self._load_unit(prefix, instance, state_dict, loaded)
+                except _PeerFailed:
+                    pass
+                except Exception as ex:
+                    guard.record(ex)
+                finally:
+                    _reset_interrupted_gathers([instance])
+        guard.settle()
+        guard.raise_if_failed()
         flat_ids = {id(p) for _, instance in instances for p in instance.params}
         flat_names = {_clean_fsdp_key(n) for n, p in module.named_parameters() if id(p) in flat_ids}
         rest = {key: value for key, value in state_dict.items() if key not in loaded}
@@ -127,6 +115,41 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
                 f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing},"
                 f" unexpected keys {result.unexpected_keys}."
             )
+
+    @staticmethod
+    def _load_unit(
+        prefix: str, instance: "FullyShardedDataParallel", state_dict: Mapping[str, Any], loaded: Set[str]
+    ) -> List[str]:
+        """Copy the values of the gathered parameters of the FSDP instance ``instance`` (not those of the instances
+        inside it) from ``state_dict``, adding their keys to ``loaded``; returns the keys it lacks."""
+        missing = []
+        for key, param in _own_parameters(prefix, instance):
+            if key not in state_dict:
+                missing.append(key)
+                continue
+            if param.shape != state_dict[key].shape:
+                raise RuntimeError(
+                    f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)} from"
+                    f" checkpoint, the shape in current model is {tuple(param.shape)}."
+                )
+            param.copy_(state_dict[key])
+            loaded.add(key)
+        return missing
+
+def _own_parameters(prefix: str, instance: "FullyShardedDataParallel") -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """The parameters of the summoned FSDP instance ``instance`` (under ``prefix`` in the LightningModule) that it
+    gathers itself, not those of the FSDP instances inside it, with their state-dict keys. A parameter shared between
+    modules of the instance (tied embeddings) is registered under each of its names while summoned, and the state
+    dict has it under each: it comes once per name."""
+    nested = {
+        id(p)
+        for child in instance.modules()
+        if child is not instance and isinstance(child, FullyShardedDataParallel)
+        for p in child.parameters()
+    }
+    for name, param in instance.named_parameters(remove_duplicate=False):
+        if id(param) not in nested:
+            yield _clean_fsdp_key(f"{prefix}.{name}" if prefix else name), param
 
 
 def _clean_fsdp_key(name: str) -> str:

@@ -163,17 +163,20 @@ class FSDPStreamDecisionMixin(DDPStrategy):
         if self.global_rank != 0:
             stream.model_state_dict = {}
             return stream.model_state_dict
-        owned: Dict[int, List[Tuple[str, torch.Size, torch.dtype]]] = {}
+        # for each submodule, its parameters that a flat parameter holds: name, shape, dtype, and which flat
+        # parameter and which of its pieces (``_param_infos``' index; a shared parameter's is its source's)
+        owned: Dict[int, List[Tuple[str, torch.Size, torch.dtype, Tuple[int, int]]]] = {}
         flat_ids = set()
         for instance in self._fsdp_modules():
             for flat in instance.params:
                 flat_ids.add(id(flat))
                 dtype = getattr(flat, "_fp32_shard", flat).dtype
-                shapes = dict(zip(((m_name, n) for m_name, _, n in flat._param_infos), flat._param_shapes))
-                for (_, submodule, name), shape in zip(flat._param_infos, flat._param_shapes):
-                    owned.setdefault(id(submodule), []).append((name, shape, dtype))
+                pieces = {(m_name, n): i for i, (m_name, _, n) in enumerate(flat._param_infos)}
+                for i, ((_, submodule, name), shape) in enumerate(zip(flat._param_infos, flat._param_shapes)):
+                    owned.setdefault(id(submodule), []).append((name, shape, dtype, (id(flat), i)))
                 for _, shared_name, submodule, name, _, shared_param in flat._shared_param_infos:
-                    owned.setdefault(id(submodule), []).append((name, shapes[(shared_name, shared_param)], dtype))
+                    i = pieces[(shared_name, shared_param)]
+                    owned.setdefault(id(submodule), []).append((name, flat._param_shapes[i], dtype, (id(flat), i)))
         emulated = self._modules_with_or_in_fsdp()
         state_dict: Dict[str, Any] = OrderedDict()
         state_dict._metadata = OrderedDict()  # type: ignore[attr-defined]
@@ -189,10 +192,11 @@ class FSDPStreamDecisionMixin(DDPStrategy):
             for name, param in module._parameters.items():
                 if param is not None and id(param) not in flat_ids:
                     state_dict[_clean_fsdp_key(prefix + name)] = param.detach()
-            for name, shape, dtype in owned.get(id(module), []):
+            for name, shape, dtype, source in owned.get(id(module), []):
                 with stream.mode:
                     placeholder = torch.empty(shape, dtype=dtype)
                 stream.model[_clean_fsdp_key(prefix + name)] = placeholder
+                stream.model_sources[_clean_fsdp_key(prefix + name)] = source
                 state_dict[_clean_fsdp_key(prefix + name)] = placeholder
             for name, buffer in module._buffers.items():
                 if buffer is None or name in module._non_persistent_buffers_set:
@@ -258,6 +262,8 @@ class _CheckpointStream:
         self.mode = FakeTensorMode()
         self.started = False
         self.model: Dict[str, torch.Tensor] = {}
+        #: for each key of :attr:`model`, the ``id`` of the flat parameter that holds it and the index of its piece
+        self.model_sources: Dict[str, Tuple[int, int]] = {}
         self.model_state_dict: Optional[Dict[str, Any]] = None
         self.optimizer_placeholders: Dict[Tuple[Any, ...], torch.Tensor] = {}
         self.optimizer_states: List[Dict[str, Any]] = []

@@ -6,16 +6,18 @@ The hooks are ``DDPFullyShardedStrategy``'s base class and ``save_checkpoint``, 
 :meth:`FSDPStreamingSaveMixin._save_checkpoint_if_streamed`.
 """
 # fork-feature: fork/fsdp-streaming-save.patch
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.optim import Optimizer
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
-from pytorch_lightning.strategies.fsdp_optimizer_state import _gather_to_rank_zero, _root_optimizer_state
-from pytorch_lightning.strategies.fsdp_restore import _clean_fsdp_key
+from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives, _reset_interrupted_gathers
+from pytorch_lightning.strategies.fsdp_optimizer_state import _gather_buffers, _gather_into, _root_optimizer_state
+from pytorch_lightning.strategies.fsdp_restore import _own_parameters
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream, FSDPStreamDecisionMixin
-from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _CollectiveFailure
+from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.streamed_checkpoint_file import _NotStreamable, _StreamedCheckpointFile
 from pytorch_lightning.utilities.types import _PATH
@@ -44,6 +46,19 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
 
         The file appears at ``filepath`` only if every rank succeeded; a failure on any rank leaves the previous
         file untouched and is raised on that rank (``Trainer.save_checkpoint`` then raises it on every rank)."""
+        streams, writer = self._write_streamed_skeleton(checkpoint, filepath, stream)
+        if streams:
+            self._write_streamed_units(stream, writer)
+
+    def _write_streamed_skeleton(
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+    ) -> Tuple[bool, Optional[_StreamedCheckpointFile]]:
+        """Global rank 0 writes the checkpoint's structure into a new temporary file (see
+        :meth:`_StreamedCheckpointFile.write_skeleton`); the ranks learn whether it did. Collective.
+
+        Returns whether the units are to be streamed into the file, and on global rank 0 the file. Otherwise the
+        checkpoint was saved whole (where it cannot be streamed, with a log line saying why), or it failed, which is
+        raised on global rank 0."""
         writer, error, decision = None, None, "stream"
         if self.is_global_zero:
             try:
@@ -60,21 +75,29 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         if decision == "failed":
             if error is not None:
                 raise error
-            return
+            return False, None
         if decision != "stream":
             rank_zero_info(
                 "`DDPFullyShardedStrategy`: the checkpoint is gathered on global rank 0 before it is written, not"
                 f" streamed, because {decision[len('whole: '):]}."
             )
-            return self._save_checkpoint_gathered(checkpoint, filepath, stream)
+            self._save_checkpoint_gathered(checkpoint, filepath, stream)
+            return False, None
+        return True, writer
 
-        failure = _CollectiveFailure()
+    def _write_streamed_units(self, stream: "_CheckpointStream", writer: Optional[_StreamedCheckpointFile]) -> None:
+        """Every rank gathers the FSDP units and their optimizer state one at a time while global rank 0 writes each
+        into its place in ``writer``, then commits it if every rank succeeded. Collective."""
+        # before each gather of a unit, the ranks agree over the checkpoint group that all of them can take part, so
+        # that a failure on one rank (in FairScale's allocation of the unit's buffers too) stops every rank there;
+        # the other ranks also wait for rank 0's writes there, for as long as ``PL_CHECKPOINT_TIMEOUT`` says
+        guard = self._new_collective_guard()
         try:
-            self._stream_model_state(stream, writer, failure)
+            self._stream_model_state(stream, writer, guard)
             if not stream.weights_only:
                 for index, optimizer in enumerate(self.optimizers):
-                    self._stream_optimizer_state(optimizer, index, stream, writer, failure)
-            failed_ranks = self._exchange_checkpoint_failure_flags(failure.failed)
+                    self._stream_optimizer_state(optimizer, index, stream, writer, guard)
+            failed_ranks = guard.settle()
         except BaseException:
             if writer is not None:
                 writer.discard()
@@ -84,7 +107,7 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
                 writer.discard()
             else:
                 writer.commit()
-        failure.raise_if_failed()
+        guard.raise_if_failed()
 
     def _save_checkpoint_gathered(
         self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
@@ -112,46 +135,51 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath)
 
-    def _stream_model_state(
-        self, stream: "_CheckpointStream", writer: Optional[Any], failure: _CollectiveFailure
-    ) -> None:
+    def _stream_model_state(self, stream: "_CheckpointStream", writer: Optional[Any], guard: _CollectiveGuard) -> None:
         """Gather the FSDP instances one at a time (``summon_full_params(recurse=False)``), and on global rank 0
-        write each parameter into its placeholder's place in the file."""
+        write each parameter into its placeholder's place in the file. Stops on every rank once any rank failed."""
         written = set()
         module = self.lightning_module
         instances = [(name, m) for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
-        with torch.no_grad():
+        with torch.no_grad(), _agreeing_fairscale_collectives(guard, self._process_group):
             for prefix, instance in instances:
-                with instance.summon_full_params(recurse=False, volatile=True):
-                    if writer is None or failure.failed:
-                        continue
-                    with failure.catch():
-                        nested = {
-                            id(p)
-                            for child in instance.modules()
-                            if child is not instance and isinstance(child, FullyShardedDataParallel)
-                            for p in child.parameters()
-                        }
-                        for name, param in instance.named_parameters(remove_duplicate=False):
-                            if id(param) in nested:
-                                continue
-                            key = _clean_fsdp_key(f"{prefix}.{name}" if prefix else name)
-                            placeholder = stream.model.get(key)
-                            same = placeholder is not None and (placeholder.shape, placeholder.dtype) == (
-                                param.shape,
-                                param.dtype,
-                            )
-                            if not same:
-                                raise RuntimeError(
-                                    f"The gathered parameter {key!r} ({tuple(param.shape)}, {param.dtype}) has no"
-                                    " matching entry in the checkpoint being streamed."
-                                )
-                            writer.write(placeholder, param)
-                            written.add(key)
-        if writer is not None and not failure.failed and written != set(stream.model):
-            failure.error = RuntimeError(
-                f"The FSDP instances gave no values for {sorted(set(stream.model) - written)} of the checkpoint."
+                if guard.stopped:
+                    break
+                try:
+                    with instance.summon_full_params(recurse=False, volatile=True):
+                        if writer is not None:
+                            with guard.catch():
+                                written.update(self._write_unit(prefix, instance, stream, writer))
+                except _PeerFailed:
+                    pass
+                except Exception as ex:
+                    guard.record(ex)
+                finally:
+                    _reset_interrupted_gathers([instance])
+        if writer is not None and not guard.stopped and written != set(stream.model):
+            guard.record(
+                RuntimeError(
+                    f"The FSDP instances gave no values for {sorted(set(stream.model) - written)} of the checkpoint."
+                )
             )
+
+    @staticmethod
+    def _write_unit(
+        prefix: str, instance: "FullyShardedDataParallel", stream: "_CheckpointStream", writer: Any
+    ) -> List[str]:
+        """Write the gathered parameters of the FSDP instance ``instance`` (not those of the instances inside it)
+        into their placeholders' places; returns their keys."""
+        written = []
+        for key, param in _own_parameters(prefix, instance):
+            placeholder = stream.model.get(key)
+            if placeholder is None or (placeholder.shape, placeholder.dtype) != (param.shape, param.dtype):
+                raise RuntimeError(
+                    f"The gathered parameter {key!r} ({tuple(param.shape)}, {param.dtype}) has no matching entry in"
+                    " the checkpoint being streamed."
+                )
+            writer.write(placeholder, param)
+            written.append(key)
+        return written
 
     def _stream_optimizer_state(
         self,
@@ -159,11 +187,38 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         index: int,
         stream: "_CheckpointStream",
         writer: Optional[Any],
-        failure: _CollectiveFailure,
+        guard: _CollectiveGuard,
     ) -> None:
         """Gather each FSDP instance's optimizer state onto global rank 0 (``torch.distributed.gather``, so the
         other ranks only ever hold their own shard), one state tensor at a time, and write it into its placeholder's
-        place in the file there."""
+        place in the file there. Every allocation comes before the agreement that precedes its gather."""
+        for root, key, value, numel in self._streamed_optimizer_tensors(optimizer, index):
+            if guard.stopped:
+                return
+            shard = received = None
+            with guard.catch():
+                shard = value.to(root.compute_device).reshape(-1)
+                if root.world_size > 1:
+                    received = _gather_buffers(shard, root.world_size, root.process_group)
+            if not guard.agree():
+                return
+            shards = _gather_into(shard, received, root.process_group) if root.world_size > 1 else [shard]
+            if writer is None:
+                continue
+            with guard.catch():
+                placeholder = stream.optimizer_placeholders[key]
+                chunk = shards[0].numel()
+                for rank, values in enumerate(shards):
+                    valid = min(max(numel - rank * chunk, 0), chunk)
+                    if valid:
+                        writer.write(placeholder, values[:valid], element_offset=rank * chunk)
+
+    def _streamed_optimizer_tensors(
+        self, optimizer: Optimizer, index: int
+    ) -> Iterator[Tuple["FullyShardedDataParallel", Tuple[Any, ...], torch.Tensor, int]]:
+        """The optimizer state tensors of the FSDP instances that a streamed save gathers, in the order of the
+        placeholders: the outermost instance, the key of the placeholder, this rank's shard of the state tensor and
+        the number of elements of the unpadded flat parameter."""
         from fairscale.nn.data_parallel import get_fsdp_instances
         from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
 
@@ -174,25 +229,5 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
             for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
                 numel = sum(instance.params[0]._param_numels)
                 for name, value in local.get(local_id, {}).items():
-                    if not torch.is_tensor(value) or is_singleton_tensor(value):
-                        continue
-                    shard = None
-                    if not failure.failed:
-                        with failure.catch():
-                            shard = value.to(root.compute_device)
-                    if shard is None:
-                        # this rank failed: it still takes part in the gather
-                        shard = torch.zeros(value.shape, dtype=value.dtype, device=root.compute_device)
-                    if root.world_size > 1:
-                        shards = _gather_to_rank_zero(shard.reshape(-1), root.world_size, root.process_group)
-                    else:
-                        shards = [shard.reshape(-1)]
-                    if writer is None or failure.failed:
-                        continue
-                    with failure.catch():
-                        placeholder = stream.optimizer_placeholders[(index, j, local_id, name)]
-                        chunk = shards[0].numel()
-                        for rank, values in enumerate(shards):
-                            valid = min(max(numel - rank * chunk, 0), chunk)
-                            if valid:
-                                writer.write(placeholder, values[:valid], element_offset=rank * chunk)
+                    if torch.is_tensor(value) and not is_singleton_tensor(value):
+                        yield root, (index, j, local_id, name), value, numel

@@ -14,12 +14,15 @@ import math
 import os
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Type, TYPE_CHECKING
 
 import torch
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
+
+if TYPE_CHECKING:
+    from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 
 
 _CHECKPOINT_ERROR_TYPES: Dict[Type[BaseException], Type[CheckpointError]] = {}
@@ -216,39 +219,9 @@ def _new_checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optiona
     ) from error
 
 
-class _CollectiveFailure:
-    """Records the first exception of this rank in a sequence of collective steps, so that the rank keeps taking
-    part in the remaining collectives and raises only once every rank has been through all of them.
-
-    Wrap the local work of each step in :meth:`catch` and skip it once :attr:`failed`; the collectives themselves run
-    on every rank regardless, with placeholder inputs on a rank that failed. Call :meth:`raise_if_failed` at the end.
-    """
-
-    def __init__(self) -> None:
-        self.error: Optional[Exception] = None
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-    @contextmanager
-    def catch(self) -> Generator[None, None, None]:
-        """Record an exception raised inside the block (the first one only) instead of propagating it."""
-        try:
-            yield
-        except Exception as ex:
-            if self.error is None:
-                self.error = ex
-
-    def raise_if_failed(self) -> None:
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-
-
 @contextmanager
 def _catching_state_dict_hooks(
-    modules: List[torch.nn.Module], failure: _CollectiveFailure
+    modules: List[torch.nn.Module], failure: "_CollectiveGuard"
 ) -> Generator[None, None, None]:
     """Within the block, an exception of a state-dict hook of ``modules`` is recorded in ``failure`` instead of
     escaping. For FSDP units the hook is FairScale's ``_post_state_dict_hook``, the local part of each unit's gather
@@ -294,20 +267,72 @@ def _checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[An
     return group if isinstance(group, getattr(torch.distributed, "ProcessGroup", ())) else None
 
 
-def _exchange_failure_flags(strategy: "pl.strategies.Strategy", failed: bool) -> List[int]:
+def _failure_flag_buffers(
+    strategy: "pl.strategies.Strategy", group: Optional[Any] = None
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """The tensors of a failure-flag exchange (:func:`_exchange_failure_flags`): this rank's flag and one per rank to
+    receive them, on the CPU for a gloo group, else on the root device. A loop allocates them before its first step,
+    so that its exchanges allocate nothing after a rank ran out of memory.
+
+    Args:
+        strategy: the strategy whose ranks exchange their flags.
+        group: a gloo group of all ranks to exchange over; by default the strategy's checkpoint group, or the default
+            process group where it has none.
+    """
+    group = group if group is not None else _checkpoint_process_group(strategy)
+    device = torch.device("cpu") if group is not None else strategy.root_device
+    world_size = torch.distributed.get_world_size(group)
+    return torch.zeros(1, dtype=torch.int32, device=device), [
+        torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world_size)
+    ]
+
+
+#: The flag of a rank in the final failure-flag exchange of a save or load (``_raise_on_all_ranks_if_any_failed``),
+#: which follows it with a broadcast of the error; a rank that fails in the middle of a loop's steps reports ``1``.
+#: A rank that sees this value in one of a loop's agreements knows the failing rank has gone on to that broadcast.
+FINAL_EXCHANGE_FLAG = 2
+
+
+def _exchange_failure_flags(
+    strategy: "pl.strategies.Strategy",
+    failed: int,
+    buffers: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None,
+    group: Optional[Any] = None,
+) -> List[int]:
     """The global ranks on which a checkpoint step failed. Collective.
 
     Uses the strategy's ``_checkpoint_process_group`` if it has one (a gloo group whose timeout is
     ``PL_CHECKPOINT_TIMEOUT``, see :func:`_new_checkpoint_process_group`), so
-    that the ranks waiting here for global rank 0 to write the file do not depend on the default group's timeout.
+    that the ranks waiting here for global rank 0 to write the file do not depend on the default group's timeout;
+    else the default process group.
+
+    Args:
+        strategy: the strategy whose ranks exchange their flags.
+        failed: this rank's flag: ``0`` (or ``False``) if it did not fail, else ``1`` (or ``True``) or
+            :data:`FINAL_EXCHANGE_FLAG`.
+        buffers: the tensors to exchange over, from :func:`_failure_flag_buffers` for the same ``group``; new ones by
+            default.
+        group: as for :func:`_failure_flag_buffers`.
     """
-    group = _checkpoint_process_group(strategy)
-    if group is None:
-        flags = strategy.all_gather(torch.tensor(int(failed), device=strategy.root_device))
-        return torch.nonzero(flags.reshape(-1)).reshape(-1).tolist()
-    gathered = [torch.zeros(1, dtype=torch.int32) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(gathered, torch.tensor([int(failed)], dtype=torch.int32), group=group)
-    return [rank for rank, flag in enumerate(gathered) if flag.item()]
+    return [rank for rank, flag in enumerate(_exchange_flag_values(strategy, failed, buffers, group)) if flag]
+
+
+def _exchange_flag_values(
+    strategy: "pl.strategies.Strategy",
+    flag: int,
+    buffers: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None,
+    group: Optional[Any] = None,
+) -> List[int]:
+    """Every rank's flag of :func:`_exchange_failure_flags`, by global rank. Collective."""
+    group = group if group is not None else _checkpoint_process_group(strategy)
+    if group is None and buffers is None:
+        # the default process group, through the strategy's own collective as in Lightning
+        flags = strategy.all_gather(torch.tensor(int(flag), device=strategy.root_device))
+        return [int(value) for value in flags.reshape(-1).tolist()]
+    mine, gathered = buffers if buffers is not None else _failure_flag_buffers(strategy, group)
+    mine.fill_(int(flag))
+    torch.distributed.all_gather(gathered, mine, group=group)
+    return [int(received.item()) for received in gathered]
 
 
 def _broadcast_failure(strategy: "pl.strategies.Strategy", failure: Optional[Tuple[str, str, str]], src: int) -> Any:

@@ -18,6 +18,7 @@ from pytorch_lightning.utilities.atomic_save import (
     _fsync_directory,
     remove_stale_temporary_files,
 )
+from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _log_chunk_fsync_policy
 from pytorch_lightning.utilities.cloud_io import _TORCH_LOAD_KWARGS
 from pytorch_lightning.utilities.types import _PATH
 
@@ -50,6 +51,13 @@ class _StreamedCheckpointFile:
     ``flush_bytes`` and dropped from the page cache, so that a memory-limited container is not charged for the whole
     file.
 
+    Where an ``fsync`` uploads the file or waits on a server (FUSE mounts of object stores, NFS, Lustre: see
+    :mod:`~pytorch_lightning.utilities.checkpoint_flush`; ``PL_CHECKPOINT_CHUNK_FSYNC`` overrides the choice), the
+    chunks are not ``fdatasync``-ed, only the whole file in :meth:`commit`. Each flush point still calls
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the whole file; on Linux that starts writeback of its dirty pages
+    without waiting for it (``WB_SYNC_NONE``) and drops those already written back, while the kernel's dirty limits
+    throttle the writer before the rest pile up, so the page cache stays bounded without waiting for the server.
+
     Args:
         path: the local path the checkpoint is saved to.
         flush_bytes: how many bytes to write between flushes.
@@ -59,6 +67,10 @@ class _StreamedCheckpointFile:
         # Write through a symlink to its target, as ``atomic_save`` does.
         self.path = os.path.realpath(str(path))
         self._dirname = os.path.dirname(self.path)
+        # decided before the temporary file is made, which an invalid `PL_CHECKPOINT_CHUNK_FSYNC` would leave behind
+        policy = _chunk_fsync_policy(self._dirname)
+        _log_chunk_fsync_policy(policy, flush_bytes)
+        self._fsync_chunks = policy.fsync_chunks
         os.makedirs(self._dirname, exist_ok=True)
         remove_stale_temporary_files(self._dirname)
         self.tmp_path, self._fd = _create_temporary_file(self._dirname, os.path.basename(self.path))
@@ -67,7 +79,9 @@ class _StreamedCheckpointFile:
         self._offsets: Dict[int, int] = {}
 
     def write_skeleton(self, checkpoint: Dict[str, Any], pending: List[torch.Tensor]) -> None:
-        """Save ``checkpoint``, leaving room for the values of the ``pending`` tensors.
+        """Save ``checkpoint``, leaving room for the values of the ``pending`` tensors. What it writes is flushed
+        with the values that follow, every ``flush_bytes`` (an asynchronous save writes the skeleton in the training
+        thread, which should not wait for the disk).
 
         Raises:
             _NotStreamable: if a pending tensor is not in ``checkpoint``, or a tensor is out of reach (inside an
@@ -98,7 +112,8 @@ class _StreamedCheckpointFile:
             records = sum(1 for name in archive.namelist() if name.split("/")[-2:-1] == ["data"])
         if len(written) != records or not pending_keys <= set(self._offsets):
             raise _NotStreamable("some tensors of the checkpoint are not in a dict, list or tuple")
-        self.flush()
+        if self._unflushed >= self._flush_bytes:
+            self.flush()
 
     def write(self, placeholder: torch.Tensor, values: torch.Tensor, element_offset: int = 0) -> None:
         """Write ``values`` into the storage of the pending tensor ``placeholder``, starting at its element
@@ -117,8 +132,10 @@ class _StreamedCheckpointFile:
             self._unflushed += written
 
     def flush(self) -> None:
-        """Write the data written so far to disk and drop it from the page cache."""
-        os.fdatasync(self._fd)
+        """Write the data written so far to disk (or, without chunk ``fsync``-s, start writing it) and drop what is
+        written from the page cache."""
+        if self._fsync_chunks:
+            os.fdatasync(self._fd)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self._unflushed = 0

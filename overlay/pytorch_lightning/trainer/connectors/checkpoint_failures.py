@@ -16,7 +16,9 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _describe_error,
     _error_type_name,
     _exchange_failure_flags,
+    FINAL_EXCHANGE_FLAG,
 )
+from pytorch_lightning.utilities.collective_guard import _PeerFailed
 from pytorch_lightning.utilities.distributed import distributed_available
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.types import _PATH
@@ -58,9 +60,10 @@ class CheckpointFailuresMixin:
         # a rank that fails inside a per-unit loop of gathering the state keeps taking part in the loop's collectives
         # and in those that follow: the strategy keeps the error until ``dump_checkpoint`` is done
         strategy._defer_checkpoint_errors = collective
-        # what the gathered state will hold, for the strategy's host-memory check, whose result is this save's only
+        # what the gathered state will hold, for the strategy's host-memory check; whether this save already failed
+        # on every rank (a rank lacks the host memory, or a gather failed), so that the rest of it gathers nothing
         strategy._checkpoint_weights_only = weights_only
-        strategy._checkpoint_lacks_host_memory = False
+        strategy._checkpoint_abandoned = False
         try:
             _checkpoint = self.dump_checkpoint(weights_only)
         except Exception as ex:
@@ -124,8 +127,19 @@ class CheckpointFailuresMixin:
             return
 
         strategy = self.trainer.strategy
-        failed_ranks = _exchange_failure_flags(strategy, error is not None)
+        # a rank that stopped because another one failed (``_PeerFailed``) reports no failure of its own: the message
+        # names the rank that failed and its cause
+        stopped = isinstance(error, _PeerFailed)
+        # a loop's agreement may have met this exchange of a rank that failed outside the loop: then this rank has its
+        # flags already, and that rank is on its way to the broadcast below
+        failed_ranks = vars(strategy).pop("_checkpoint_final_flags", None)
+        if failed_ranks is None:
+            failed = error is not None and not stopped
+            failed_ranks = _exchange_failure_flags(strategy, FINAL_EXCHANGE_FLAG if failed else 0)
         if not failed_ranks:
+            if stopped:
+                # cannot happen while the ranks agree; raised rather than lost
+                raise _checkpoint_error_type(RuntimeError)(f"{action} failed: {error}{suffix}") from error
             return
         if isinstance(error, MisconfigurationException):
             raise error
@@ -135,6 +149,8 @@ class CheckpointFailuresMixin:
         message = f"{action} failed on global rank {src}: {cause}."
         if len(failed_ranks) > 1:
             message += f" It also failed on global ranks {failed_ranks[1:]}."
+        if stopped:
+            error = None
         if error is None:
             message += " This rank stops too, so that no rank waits for the others."
             error_type = _checkpoint_error_type_named(module, qualname)

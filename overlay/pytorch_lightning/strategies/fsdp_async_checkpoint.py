@@ -1,0 +1,416 @@
+"""Asynchronous FSDP checkpoints (``DDPFullyShardedStrategy(async_checkpoint=True)``): a streamed save blocks the
+training thread only while every rank copies its own shards of the FSDP parameters and their optimizer state to host
+memory and global rank 0 writes the checkpoint's structure; a thread on every rank then sends the shards, one unit at
+a time, over a gloo group of its own to rank 0, which writes them into the same single file a streamed save writes,
+and renames it into place once every rank succeeded.
+
+The hooks are ``DDPFullyShardedStrategy``'s ``async_checkpoint`` argument and base class; the rest are overrides of
+the strategy's own methods (the streamed save's units, ``remove_checkpoint``, ``load_checkpoint`` and ``teardown``).
+"""
+# fork-feature: fork/fsdp-async-checkpoint.patch
+import logging
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from typing_extensions import override
+
+from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+from pytorch_lightning.strategies.fsdp_streaming_save import FSDPStreamingSaveMixin
+from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
+from pytorch_lightning.utilities.checkpoint_errors import (
+    _checkpoint_process_group,
+    _checkpoint_timeout,
+    _exchange_failure_flags,
+    _failure_flag_buffers,
+    _new_checkpoint_process_group,
+)
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
+from pytorch_lightning.utilities.types import _PATH
+
+log = logging.getLogger(__name__)
+
+#: How much lower than the training threads the writer threads run (``setpriority``, Linux): they only copy and write.
+_WRITER_NICENESS = 10
+
+
+class _UnitShard(NamedTuple):
+    """This rank's copy of one flat parameter's shard, and on global rank 0 where its pieces go in the file.
+
+    Args:
+        shard: the copy, in host memory.
+        numel: the flat parameter's number of elements, without FSDP's padding.
+        pieces: on global rank 0, for each entry of the checkpoint the flat parameter holds: its placeholder, and the
+            range of elements of the flat parameter it is.
+    """
+
+    shard: torch.Tensor
+    numel: int
+    pieces: List[Tuple[torch.Tensor, int, int]]
+
+
+class _StateShard(NamedTuple):
+    """This rank's copy of one optimizer-state tensor's shard, and on global rank 0 its placeholder."""
+
+    shard: torch.Tensor
+    numel: int
+    placeholder: Optional[torch.Tensor]
+
+
+class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
+    """Methods of ``DDPFullyShardedStrategy`` that write streamed checkpoints in the background."""
+
+    def wait_for_checkpoint(self) -> None:
+        """Returns once the checkpoint being saved in the background (``async_checkpoint=True``) is committed, at
+        once if none is. This is a collective call: all ranks must call it.
+
+        ``Trainer.save_checkpoint`` calls it before each save (so at most one is in flight), ``Trainer.fit`` at its end,
+        and a load before it reads a checkpoint. Files that ``ModelCheckpoint`` removed while the save was in flight
+        (``save_top_k``, ``save_last``) are removed now, once their successor is on disk.
+
+        Raises:
+            CheckpointError: on every rank, if the save failed on any rank; the previous file at its path is intact.
+        """
+        job = getattr(self, "_checkpoint_in_flight", None)
+        if job is None:
+            return
+        job.join()
+        self._checkpoint_in_flight = None
+        self._host_copy_pool = job.copies
+        connector = self.lightning_module.trainer._checkpoint_connector
+        group = _checkpoint_process_group(self)
+        # a rank whose writer thread failed inside a collective leaves the others' threads waiting in it until the
+        # background group's timeout: wait for them that long, and as long again for the exchange itself
+        extend = group is not None and hasattr(group, "set_timeout")
+        try:
+            if extend:
+                group.set_timeout(2 * _checkpoint_timeout())
+            connector._raise_on_all_ranks_if_any_failed(
+                job.error, f"Saving the checkpoint to {str(job.filepath)!r} in the background"
+            )
+        except Exception:
+            # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
+            # the next save makes a new one
+            self._async_checkpoint_group = None
+            raise
+        finally:
+            if extend:
+                group.set_timeout(_checkpoint_timeout())
+        self._remove_replaced_checkpoints(job)
+
+    def _remove_replaced_checkpoints(self, job: "_BackgroundSave") -> None:
+        """On global rank 0, remove the files ``remove_checkpoint`` was asked to remove while ``job`` was in flight,
+        if it was committed: a file that cannot be removed is logged, not raised (it is an old checkpoint)."""
+        if not job.committed:
+            return
+        for path in job.removals:
+            if str(path) == str(job.filepath):
+                continue
+            try:
+                super().remove_checkpoint(path)
+            except OSError as ex:
+                log.warning(f"Could not remove the replaced checkpoint {str(path)!r}: {ex}")
+
+    @override
+    def _prepare_checkpoint_stream(
+        self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
+    ) -> None:
+        # the save before this one first: at most one is in flight, and its failure is raised before a new one starts
+        self.wait_for_checkpoint()
+        self._checkpoint_path = filepath
+        super()._prepare_checkpoint_stream(filepath, weights_only, storage_options)
+
+    @override
+    def _write_streamed_units(self, stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile]) -> None:
+        if not self._saves_in_background():
+            return super()._write_streamed_units(stream, writer)
+        guard = self._new_collective_guard()
+        units: List[_UnitShard] = []
+        states: List[_StateShard] = []
+        with guard.catch():
+            units, states = self._copy_shards(stream)
+        if guard.settle():
+            # copying failed on a rank (host memory): nothing was started
+            if writer is not None:
+                writer.discard()
+            guard.raise_if_failed()
+        if self.world_size > 1 and getattr(self, "_async_checkpoint_group", None) is None:
+            # the background thread's own, made at its first save (every rank is here): a process group must not be
+            # used by two threads at once, and the training thread keeps using the checkpoint and FSDP groups
+            self._async_checkpoint_group = _new_checkpoint_process_group(self)
+        event = None
+        if torch.cuda.is_available() and self.root_device.type == "cuda":
+            # the copies to pinned host memory were queued on the current stream: the thread waits for them
+            event = torch.cuda.Event()
+            event.record()
+        job = _BackgroundSave(self, self._checkpoint_path, writer, units, states, event)
+        try:
+            job.start()
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
+        self._checkpoint_in_flight = job
+
+    def _saves_in_background(self) -> bool:
+        """Whether this streamed save is written in the background; the same on every rank."""
+        if not self.async_checkpoint:
+            return False
+        state = self.lightning_module.trainer.state
+        if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or getattr(self, "_background_closed", False):
+            reason = (
+                "it is saved outside `Trainer.fit` (or after its teardown began), which waits for a save in flight"
+                " at its end"
+            )
+        elif self.world_size > 1 and _checkpoint_process_group(self) is None:
+            reason = "`PL_CHECKPOINT_GLOO_GROUP=0`: the background thread needs a gloo group of its own"
+        else:
+            return True
+        if reason != getattr(self, "_last_synchronous_reason", None):
+            self._last_synchronous_reason = reason
+            rank_zero_info(
+                f"`DDPFullyShardedStrategy(async_checkpoint=True)`: the checkpoint is saved synchronously, because {reason}."
+            )
+        return False
+
+    def _copy_shards(self, stream: _CheckpointStream) -> Tuple[List[_UnitShard], List[_StateShard]]:
+        """This rank's copies of its shards of the FSDP parameters and, unless the save is weights-only, of their
+        optimizer state, in the order the placeholders of ``stream`` were made; on global rank 0 with their places."""
+        # the copies of the previous save in the background, reused where they fit: allocating (and, on the CPU,
+        # faulting in) a shard-sized buffer per tensor costs more than the copy itself
+        pool = _HostCopies(getattr(self, "_host_copy_pool", []))
+        self._host_copy_pool = []
+        by_source: Dict[Tuple[int, int], List[torch.Tensor]] = {}
+        for key, source in stream.model_sources.items():
+            by_source.setdefault(source, []).append(stream.model[key])
+        units = []
+        for instance in self._fsdp_modules():
+            for flat in instance.params:
+                starts = [0]
+                for numel in flat._param_numels:
+                    starts.append(starts[-1] + numel)
+                pieces = [
+                    (placeholder, starts[i], starts[i + 1])
+                    for i in range(len(flat._param_numels))
+                    for placeholder in by_source.get((id(flat), i), [])
+                ]
+                shard = getattr(flat, "_fp32_shard", flat.data)
+                units.append(_UnitShard(pool.copy(shard), starts[-1], pieces))
+        states = []
+        if not stream.weights_only:
+            for index, optimizer in enumerate(self.optimizers):
+                for _, key, value, numel in self._streamed_optimizer_tensors(optimizer, index):
+                    placeholder = stream.optimizer_placeholders.get(key)
+                    states.append(_StateShard(pool.copy(value.reshape(-1)), numel, placeholder))
+        return units, states
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        job = getattr(self, "_checkpoint_in_flight", None)
+        if job is not None:
+            # until the save in flight is committed, this file may be the only complete checkpoint on disk
+            job.removals.append(filepath)
+            return
+        super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        self.wait_for_checkpoint()
+        return super().load_checkpoint(*args, **kwargs)
+
+    @override
+    def setup_environment(self) -> None:
+        # a new ``Trainer.fit`` (or another stage): saves may go to the background again until its teardown
+        self._background_closed = False
+        super().setup_environment()
+
+    @override
+    def teardown(self) -> None:
+        job = getattr(self, "_checkpoint_in_flight", None)
+        trainer = getattr(self.lightning_module, "trainer", None)
+        # from here on nothing waits for a save in the background: ``on_fit_end`` and ``teardown`` hooks save
+        # synchronously
+        self._background_closed = True
+        try:
+            if job is not None and trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+                # another error stops this rank, maybe alone: no collective, only this rank's part of the save
+                job.join()
+                self._checkpoint_in_flight = None
+                self._remove_replaced_checkpoints(job)
+                if job.error is not None:
+                    _note_on_current_exception(
+                        f"The checkpoint being saved to {str(job.filepath)!r} in the background failed too"
+                        f" ({type(job.error).__name__}: {job.error}); the file at that path is the previous one."
+                    )
+            elif job is not None:
+                self.wait_for_checkpoint()
+        finally:
+            # the host copies kept for the next save in the background: there is none before the next fit
+            self._host_copy_pool = []
+            super().teardown()
+
+
+class _BackgroundSave:
+    """One checkpoint written in the background: on every rank a thread sends this rank's shards to global rank 0,
+    unit by unit, over the strategy's ``_async_checkpoint_group``; rank 0 writes them into ``writer`` and commits it
+    if every rank succeeded.
+
+    The ranks agree before each gather (see :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`,
+    over the same group), so a failure on one rank stops every rank's thread there. The outcome is this rank's
+    :attr:`error` (``None``, its own error, or ``_PeerFailed``) and, on rank 0, :attr:`committed`.
+    """
+
+    def __init__(
+        self,
+        strategy: FSDPAsyncCheckpointMixin,
+        filepath: _PATH,
+        writer: Optional[_StreamedCheckpointFile],
+        units: List[_UnitShard],
+        states: List[_StateShard],
+        event: Optional[Any],
+    ) -> None:
+        self.writer, self.units, self.states, self.event = writer, units, states, event
+        #: the host copies, handed back for the next save once this one is done
+        self.copies = [unit.shard for unit in units] + [state.shard for state in states]
+        self.filepath = filepath
+        self.rank, self.world_size = strategy.global_rank, strategy.world_size
+        self.group = getattr(strategy, "_async_checkpoint_group", None)
+        exchange: Callable[[bool], List[int]]
+        if self.world_size > 1:
+            # allocated here, in the training thread, before anything can fail
+            buffers = _failure_flag_buffers(strategy, self.group)
+
+            def exchange(failed: bool) -> List[int]:
+                return _exchange_failure_flags(strategy, failed, buffers, self.group)
+
+        else:
+
+            def exchange(failed: bool) -> List[int]:
+                return [self.rank] if failed else []
+
+        self.guard = _CollectiveGuard(exchange)
+        self.error: Optional[BaseException] = None
+        self.committed = False
+        #: the files ``remove_checkpoint`` was asked to remove while this save was in flight
+        self.removals: List[_PATH] = []
+        self._thread = threading.Thread(target=self._run, name="pl-async-checkpoint", daemon=False)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _run(self) -> None:
+        guard = self.guard
+        try:
+            # background work: the training threads of this host come first for the CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICENESS)
+        except (AttributeError, OSError):
+            pass
+        try:
+            if self.event is not None:
+                self.event.synchronize()
+            for unit in self.units:
+                shards = self._gather(unit.shard)
+                if shards is None:
+                    break
+                if self.writer is not None:
+                    with guard.catch():
+                        _write_pieces(self.writer, unit, shards)
+            for state in self.states:
+                shards = self._gather(state.shard)
+                if shards is None:
+                    break
+                if self.writer is not None:
+                    with guard.catch():
+                        _write_flat(self.writer, state, shards)
+            failed_ranks = guard.settle()
+            if self.writer is not None:
+                if failed_ranks:
+                    self.writer.discard()
+                else:
+                    self.writer.commit()
+                    self.committed = True
+            self.error = guard.error_to_raise()
+        except BaseException as ex:
+            # e.g. the group's timeout: this rank's own error, raised by ``wait_for_checkpoint`` on every rank
+            self.error = ex
+            if self.writer is not None:
+                self.writer.discard()
+        finally:
+            self.units, self.states = [], []
+
+    def _gather(self, shard: torch.Tensor) -> Optional[List[torch.Tensor]]:
+        """Every rank's ``shard`` on global rank 0 (``[]`` on the others), or ``None`` once a rank failed."""
+        guard = self.guard
+        received = None
+        if self.rank == 0 and self.world_size > 1 and not guard.stopped:
+            with guard.catch():
+                received = [torch.empty_like(shard) for _ in range(self.world_size)]
+        if not guard.agree():
+            return None
+        if self.world_size == 1:
+            return [shard]
+        torch.distributed.gather(shard, received, dst=0, group=self.group)
+        return received if self.rank == 0 else []
+
+
+class _HostCopies:
+    """Copies of tensors in host memory, pinned for tensors on a GPU (the copy is queued on the current stream), into
+    the buffers of ``reuse`` where one of the same shape, dtype and pinning is left, else into new ones."""
+
+    def __init__(self, reuse: List[torch.Tensor]) -> None:
+        self._free: Dict[Tuple[Any, ...], List[torch.Tensor]] = {}
+        for buffer in reuse:
+            self._free.setdefault(self._key(buffer.shape, buffer.dtype, buffer.is_pinned()), []).append(buffer)
+
+    @staticmethod
+    def _key(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> Tuple[Any, ...]:
+        return tuple(shape), dtype, pinned
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        pinned = tensor.device.type == "cuda"
+        free = self._free.get(self._key(tensor.shape, tensor.dtype, pinned))
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+        buffer.copy_(tensor.detach(), non_blocking=pinned)
+        return buffer
+
+
+def _valid_ranges(shards: List[torch.Tensor], numel: int) -> List[Tuple[int, int]]:
+    """For each rank's shard of a flat tensor of ``numel`` elements, the range of the flat tensor it holds (FSDP pads
+    the last shards with zeros)."""
+    chunk = shards[0].numel()
+    return [(min(rank * chunk, numel), min((rank + 1) * chunk, numel)) for rank in range(len(shards))]
+
+
+def _write_pieces(writer: _StreamedCheckpointFile, unit: _UnitShard, shards: List[torch.Tensor]) -> None:
+    """Write each piece of a flat parameter into its placeholder, straight from the ranks' shards."""
+    ranges = _valid_ranges(shards, unit.numel)
+    for placeholder, start, end in unit.pieces:
+        for shard, (lo, hi) in zip(shards, ranges):
+            first, last = max(start, lo), min(end, hi)
+            if first < last:
+                writer.write(placeholder, shard[first - lo : last - lo], element_offset=first - start)
+
+
+def _write_flat(writer: _StreamedCheckpointFile, state: _StateShard, shards: List[torch.Tensor]) -> None:
+    """Write an optimizer-state tensor, flat as FairScale consolidates it, into its placeholder."""
+    for shard, (lo, hi) in zip(shards, _valid_ranges(shards, state.numel)):
+        if lo < hi:
+            writer.write(state.placeholder, shard[: hi - lo], element_offset=lo)
+
+
+def _note_on_current_exception(note: str) -> None:
+    """Log ``note`` as an error and add it to the exception being handled, so that it is not lost behind it."""
+    log.error(note)
+    error = sys.exc_info()[1]
+    if error is not None and hasattr(error, "add_note"):
+        error.add_note(note)

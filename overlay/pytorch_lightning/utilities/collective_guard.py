@@ -1,0 +1,124 @@
+"""No rank skips a collective that another rank is in: before each collective of a checkpoint's per-unit loops, the
+ranks tell each other whether they can take part, over the strategy's gloo checkpoint group. A rank that failed
+(running out of memory while it allocates a unit's buffers, say) says so instead of entering the collective; then
+no rank enters it, and every rank leaves the loop at the same point.
+
+The waits are on the checkpoint group, whose timeout is ``PL_CHECKPOINT_TIMEOUT``, so the ranks that wait while
+global rank 0 writes a unit of a streamed checkpoint wait there, not in the next gather on the default group, which
+NCCL's watchdog would end after its own timeout (ten minutes in most builds).
+
+Used by the per-unit loops of ``DDPFullyShardedStrategy`` (gathering the state dict and the optimizer state, the
+streamed save, the per-unit load), through
+:func:`~pytorch_lightning.strategies.fsdp_guarded_gathers._agreeing_fairscale_collectives` for FairScale's own
+collectives.
+"""
+# fork-feature: fork/checkpoint-errors-on-every-rank.patch
+from contextlib import contextmanager
+from typing import Callable, Generator, List, Optional
+
+#: Whether the ranks agree before each collective. Only the checkpoint benchmark turns it off, to measure what the
+#: agreement costs; without it a failure on one rank leaves the others waiting in the collective it skipped.
+AGREE_BEFORE_COLLECTIVES = True
+
+
+class _PeerFailed(RuntimeError):
+    """Raised on a rank that stopped taking part in a checkpoint's collectives because other ranks failed.
+    ``Trainer.save_checkpoint`` and the restore turn it into the failing rank's ``CheckpointError``; it is raised as it
+    is only by a direct call of a strategy method outside them.
+
+    Args:
+        failed_ranks: the global ranks that failed.
+    """
+
+    def __init__(self, failed_ranks: List[int]) -> None:
+        super().__init__(
+            f"Global rank {failed_ranks[0] if failed_ranks else '?'} failed in the middle of a checkpoint's collective"
+            " steps, so this rank stopped too, before the next collective."
+        )
+        self.failed_ranks = list(failed_ranks)
+
+
+class _CollectiveGuard:
+    """Records this rank's first error in a sequence of collective steps (:meth:`catch`, :meth:`record`), and lets
+    the ranks agree before each collective whether all of them can take part (:meth:`agree`).
+
+    A rank whose local work failed does no collective any more other than the agreement, where it reports the
+    failure; every agreement is the same small exchange over the same group, so it meets the other ranks in the one
+    they are in, whichever step that is. After an agreement that saw a failure, no rank calls another collective of
+    the sequence; :meth:`settle` at its end tells every rank whether any step failed anywhere.
+
+    Args:
+        exchange: the exchange of failure flags, a collective that returns the global ranks that report ``True``
+            (``DDPFullyShardedStrategy._exchange_checkpoint_failure_flags``).
+    """
+
+    def __init__(self, exchange: Callable[[bool], List[int]]) -> None:
+        self._exchange = exchange
+        #: this rank's first error
+        self.error: Optional[Exception] = None
+        #: the global ranks that failed, once an agreement saw a failure
+        self.failed_ranks: List[int] = []
+
+    @property
+    def failed(self) -> bool:
+        """Whether this rank failed."""
+        return self.error is not None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether this rank takes no further part in the sequence's work: it failed, or an agreement saw a failure."""
+        return self.failed or bool(self.failed_ranks)
+
+    def record(self, error: Exception) -> None:
+        """Record ``error`` as this rank's failure (the first one only), to be reported at the next agreement."""
+        if self.error is None:
+            self.error = error
+
+    @contextmanager
+    def catch(self) -> Generator[None, None, None]:
+        """Record an exception raised inside the block instead of propagating it; a :class:`_PeerFailed` (another
+        rank failed) propagates, it is not this rank's failure."""
+        try:
+            yield
+        except _PeerFailed:
+            raise
+        except Exception as ex:
+            self.record(ex)
+
+    def agree(self) -> bool:
+        """Whether every rank can take part in the next collective. Collective, until an agreement saw a failure;
+        from then on it returns ``False`` without communicating."""
+        if self.failed_ranks:
+            return False
+        if not AGREE_BEFORE_COLLECTIVES:
+            return not self.failed
+        self.failed_ranks = self._exchange(self.failed)
+        return not self.failed_ranks
+
+    def before_collective(self) -> None:
+        """Call right before a collective, with nothing that can fail in between.
+
+        Raises:
+            _PeerFailed: on every rank, if any rank cannot take part; the collective must then be skipped.
+        """
+        if not self.agree():
+            raise _PeerFailed(self.failed_ranks)
+
+    def settle(self) -> List[int]:
+        """The global ranks on which the sequence failed, on every rank: one last agreement, unless one already saw
+        a failure. Collective then."""
+        if not self.failed_ranks:
+            self.failed_ranks = self._exchange(self.failed)
+        return self.failed_ranks
+
+    def error_to_raise(self) -> Optional[Exception]:
+        """This rank's own error, or a :class:`_PeerFailed` where only other ranks failed, or ``None``."""
+        if self.error is not None:
+            return self.error
+        return _PeerFailed(self.failed_ranks) if self.failed_ranks else None
+
+    def raise_if_failed(self) -> None:
+        error = self.error_to_raise()
+        self.error = None
+        if error is not None:
+            raise error

@@ -1,0 +1,258 @@
+"""Checkpoints written in the background (``DDPFullyShardedStrategy(async_checkpoint=True)``) on CPU FSDP (2 ranks over
+gloo): ``python -m tests.strategies.fsdp_async_scenarios <scenario> --out DIR``.
+
+- ``failures``: in one run, a save whose background write fails on global rank 0 with ``ENOSPC`` (``os.pwrite`` in
+  the writer thread), found by the next save; one found by ``wait_for_checkpoint``; one whose gather fails on rank 1
+  in its writer thread, before it sends its shard (rank 0 then waits in the gather until ``PL_CHECKPOINT_TIMEOUT``).
+  After each, a save succeeds.
+- ``kill``: global rank 0 kills every rank (``SIGKILL``) while its writer thread is writing a checkpoint over an
+  earlier one; ``cleanup`` then saves into the same folder.
+- ``model_checkpoint``: ``ModelCheckpoint(save_top_k=1, save_last=True)`` every epoch while rank 0's writes are
+  slowed; a thread on rank 0 lists the folder every few milliseconds. ``--broken-ordering`` removes replaced files
+  at once, as ``ModelCheckpoint`` asks, instead of after their successor is committed.
+
+Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_async.py``.
+"""
+import argparse
+import errno
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
+from fsdp_harness.models import FSDPModel, full_parameters
+from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
+from pytorch_lightning import Callback, Trainer, seed_everything
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_async_checkpoint import FSDPAsyncCheckpointMixin
+from tests.strategies.fsdp_collective_fault_scenarios import _outcome, sha256
+
+WRITER_THREAD = "pl-async-checkpoint"
+
+
+class InWriterThread:
+    """Replaces ``owner.name`` with a wrapper that calls ``fault(*args)`` first when it runs in the writer thread of
+    global rank ``rank`` and the fault is armed."""
+
+    def __init__(self, owner: Any, name: str, rank: int, fault: Callable[..., None]) -> None:
+        self.armed = False
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.armed and global_rank() == rank and threading.current_thread().name == WRITER_THREAD:
+                fault(*args)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+
+def _no_space(*args: Any) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _trainer(args: argparse.Namespace, **kwargs: Any) -> Trainer:
+    defaults = dict(
+        strategy=CPUFullyShardedStrategy(async_checkpoint=True),
+        max_epochs=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    return Trainer(**quiet_trainer_kwargs(args.out, args.devices, **{**defaults, **kwargs}))
+
+
+def _model() -> FSDPModel:
+    seed_everything(1)
+    return FSDPModel(width=16, units=3, batches=2, extra_before=True)
+
+
+def _tmp_files(folder: Path) -> List[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+class FailingSaves(Callback):
+    """At the end of the first epoch: a good save, then the failing ones, each followed by a save that succeeds."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.folder = args.out / "ckpts"
+        self.enospc = InWriterThread(os, "pwrite", 0, _no_space)
+        self.gather = InWriterThread(torch.distributed, "gather", 1, self._broken_send)
+        self.result: Dict[str, Any] = {"cases": []}
+
+    def _broken_send(self, *args: Any) -> None:
+        raise RuntimeError("injected: the shard could not be sent")
+
+    def _save(self, trainer: Trainer, name: str) -> Dict[str, Any]:
+        start = time.monotonic()
+        trainer.save_checkpoint(self.folder / name)
+        return {"stall": time.monotonic() - start, "in_flight": trainer.strategy._checkpoint_in_flight is not None}
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch != 0:
+            return
+        strategy = trainer.strategy
+        path = self.folder / "model.ckpt"
+        self.result["good"] = self._save(trainer, "model.ckpt")
+        strategy.wait_for_checkpoint()
+        before = sha256(path) if trainer.is_global_zero else None
+        for case, fault, found_by in (
+            ("enospc", self.enospc, "next save"),
+            ("enospc", self.enospc, "wait_for_checkpoint"),
+            ("rank 1 send", self.gather, "next save"),
+        ):
+            fault.armed = True
+            outcome: Dict[str, Any] = {"case": case, "found_by": found_by, **self._save(trainer, "model.ckpt")}
+            start = time.monotonic()
+            try:
+                if found_by == "next save":
+                    trainer.save_checkpoint(self.folder / "other.ckpt")
+                else:
+                    strategy.wait_for_checkpoint()
+                outcome["raised"] = False
+            except Exception as error:
+                outcome.update(_outcome(start, error))
+            fault.armed = False
+            strategy.barrier()
+            if trainer.is_global_zero:
+                outcome.update(after=sha256(path), tmp=_tmp_files(self.folder), files=sorted(os.listdir(self.folder)))
+            # and then a save goes through
+            self._save(trainer, "retry.ckpt")
+            strategy.wait_for_checkpoint()
+            outcome["retry_ok"] = (self.folder / "retry.ckpt").exists()
+            self.result["cases"].append(outcome)
+        self.result["before"] = before
+
+
+def failures(args: argparse.Namespace) -> Dict[str, Any]:
+    (args.out / "ckpts").mkdir(parents=True, exist_ok=True)
+    saves = FailingSaves(args)
+    trainer = _trainer(args, callbacks=[saves])
+    trainer.fit(_model())
+    return {"rank": trainer.global_rank, **saves.result}
+
+
+def kill(args: argparse.Namespace) -> Dict[str, Any]:
+    folder = args.out / "ckpts"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    class KillWhileWriting(Callback):
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+            path = folder / "model.ckpt"
+            trainer.save_checkpoint(path)
+            trainer.strategy.wait_for_checkpoint()
+            if trainer.is_global_zero:
+                (args.out / "before.sha256").write_text(sha256(path))
+            InWriterThread(os, "pwrite", 0, lambda *a: time.sleep(0.5)).armed = True
+            trainer.save_checkpoint(path)
+            trainer.strategy.barrier()
+            if trainer.is_global_zero:
+                deadline = time.monotonic() + 30
+                while not _tmp_files(folder) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(1.0)  # the writer thread is in the middle of the units
+                (args.out / "tmp_before_kill.txt").write_text("\n".join(_tmp_files(folder)))
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            time.sleep(60)
+
+    trainer = _trainer(args, max_epochs=1, callbacks=[KillWhileWriting()])
+    trainer.fit(_model())
+    return {"rank": trainer.global_rank, "killed": False}
+
+
+def cleanup(args: argparse.Namespace) -> Dict[str, Any]:
+    folder = args.out / "ckpts"
+
+    class SaveAgain(Callback):
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+            trainer.save_checkpoint(folder / "next.ckpt")
+
+    trainer = _trainer(args, max_epochs=1, callbacks=[SaveAgain()])
+    model = _model()
+    trainer.fit(model)
+    full = full_parameters(model)
+    result: Dict[str, Any] = {"rank": trainer.global_rank}
+    if trainer.is_global_zero:
+        saved = torch.load(folder / "next.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+        result.update(
+            tmp=_tmp_files(folder),
+            before=sha256(folder / "model.ckpt"),
+            loads=torch.load(folder / "model.ckpt", map_location="cpu", weights_only=False)["epoch"] == 0,
+            equal=all(torch.equal(saved[k], full[k]) for k in full),
+        )
+    return result
+
+
+class FolderMonitor(threading.Thread):
+    """Lists ``folder`` every few milliseconds until stopped: the fewest complete checkpoints (``*.ckpt``: a file
+    gets its name only once it is committed) and the fewest ``save_top_k`` ones (not ``last.ckpt``) seen after the
+    first of each appeared."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(daemon=True)
+        self.folder, self.stop = folder, threading.Event()
+        self.fewest: Dict[str, Any] = {"all": None, "top_k": None}
+        self.listings = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            names = [n for n in os.listdir(self.folder) if n.endswith(".ckpt")]
+            for kind, count in (("all", len(names)), ("top_k", len([n for n in names if n != "last.ckpt"]))):
+                seen = self.fewest[kind]
+                if count or seen is not None:
+                    self.fewest[kind] = count if seen is None else min(seen, count)
+            self.listings += 1
+            time.sleep(0.002)
+
+
+def model_checkpoint(args: argparse.Namespace) -> Dict[str, Any]:
+    folder = args.out / "ckpts"
+    folder.mkdir(parents=True, exist_ok=True)
+    if args.broken_ordering:
+        FSDPAsyncCheckpointMixin.remove_checkpoint = DDPStrategy.remove_checkpoint
+    slow = InWriterThread(os, "pwrite", 0, lambda *a: time.sleep(0.05))
+    slow.armed = True
+    monitor = FolderMonitor(folder)
+    if global_rank() == 0:
+        monitor.start()
+    checkpoint = ModelCheckpoint(dirpath=str(folder), filename="{epoch}", save_top_k=1, save_last=True)
+    trainer = _trainer(args, max_epochs=4, callbacks=[checkpoint], enable_checkpointing=True)
+    stalls: List[float] = []
+    original_save = trainer.save_checkpoint
+
+    def timed_save(*a: Any, **k: Any) -> None:
+        start = time.monotonic()
+        original_save(*a, **k)
+        stalls.append(time.monotonic() - start)
+
+    trainer.save_checkpoint = timed_save
+    trainer.fit(_model())
+    monitor.stop.set()
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "stalls": stalls}
+    if trainer.is_global_zero:
+        monitor.join()
+        result.update(
+            fewest=monitor.fewest,
+            listings=monitor.listings,
+            files=sorted(os.listdir(folder)),
+            best=Path(checkpoint.best_model_path).name,
+            last=Path(checkpoint.last_model_path).name,
+            best_epoch=torch.load(checkpoint.best_model_path, map_location="cpu", weights_only=False)["epoch"],
+            last_epoch=torch.load(checkpoint.last_model_path, map_location="cpu", weights_only=False)["epoch"],
+        )
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--broken-ordering", action="store_true")
+
+
+if __name__ == "__main__":
+    main(
+        {"failures": failures, "kill": kill, "cleanup": cleanup, "model_checkpoint": model_checkpoint},
+        add_arguments,
+    )

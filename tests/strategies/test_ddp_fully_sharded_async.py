@@ -1,0 +1,108 @@
+"""``DDPFullyShardedStrategy(async_checkpoint=True)``: streamed checkpoints written in the background."""
+import pytest
+
+from fsdp_harness.multiprocess import assert_success, run_module
+from fsdp_harness.scenario import read_results
+from tests.helpers.runif import RunIf
+from tests.strategies.test_ddp_fully_sharded_resume import check_exact_resume
+
+
+def check_exact_resume_from_async_checkpoints(tmp_path, optimizer, *extra, devices=2, atol=0.0):
+    check_exact_resume(tmp_path, optimizer, "--layout", "async", *extra, devices=devices, atol=atol)
+    for run in ("straight", "resumed"):
+        results = read_results(tmp_path / run, devices)
+        assert [r["synchronous_reason"] for r in results] == [None] * devices
+        # ModelCheckpoint's saves, one per epoch, were written in the background (the resumed run: the second)
+        assert [r["background_saves"] for r in results] == [2 if run == "straight" else 1] * devices, results
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("optimizer", "devices"), [("adam", 2), ("sgd", 1)])
+def test_exact_resume_from_async_checkpoints(tmp_path, optimizer, devices):
+    """ModelCheckpoint saves every epoch in the background while training goes on; resuming from the checkpoint of
+    the first epoch gives the uninterrupted run's parameters, optimizer state and final checkpoint exactly."""
+    check_exact_resume_from_async_checkpoints(tmp_path, optimizer, devices=devices)
+
+
+@RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
+@pytest.mark.timeout(600)
+def test_exact_resume_from_async_checkpoints_multi_gpu(tmp_path):
+    """The body of ``test_exact_resume_from_async_checkpoints[adam-2]`` on GPUs: pinned host copies, CUDA events."""
+    check_exact_resume_from_async_checkpoints(tmp_path, "adam", "--accelerator", "gpu", atol=1e-6)
+
+
+SCENARIOS = "tests.strategies.fsdp_async_scenarios"
+MAX_RAISE_SECONDS = 60
+
+
+def _run(tmp_path, scenario, *args, timeout=300, env=None):
+    result = run_module(SCENARIOS, [scenario, "--out", str(tmp_path), *args], timeout=timeout, grace=30, env=env)
+    return result
+
+
+@pytest.mark.timeout(360)
+def test_background_failures_raise_on_every_rank(tmp_path):
+    """Rank 0's disk fills up in the background (found by the next save, and by ``wait_for_checkpoint``), and rank 1
+    fails while it sends its shard: every rank raises ``CheckpointError``, the previous file is intact, no temporary
+    file is left, and the next save succeeds."""
+    assert_success(_run(tmp_path, "failures", env={"PL_CHECKPOINT_TIMEOUT": "10"}))
+    results = read_results(tmp_path, 2)
+    # the save returned while its file was still being written
+    assert all(r["good"]["in_flight"] for r in results), results
+    for index, (case, found_by) in enumerate(
+        [("enospc", "next save"), ("enospc", "wait_for_checkpoint"), ("rank 1 send", "next save")]
+    ):
+        outcomes = [r["cases"][index] for r in results]
+        assert all(o["case"] == case and o["found_by"] == found_by for o in outcomes), outcomes
+        for rank, outcome in enumerate(outcomes):
+            assert outcome["in_flight"], outcome
+            assert outcome["raised"], f"rank {rank} did not raise: {outcome}"
+            assert "CheckpointError" in outcome["mro"], outcome
+            assert "in the background failed on global rank" in outcome["message"], outcome
+            assert outcome["seconds"] < MAX_RAISE_SECONDS, outcome
+            assert outcome["retry_ok"], outcome
+        if case == "enospc":
+            assert all("failed on global rank 0: OSError: [Errno 28]" in o["message"] for o in outcomes), outcomes
+            assert "OSError" in outcomes[0]["mro"] and outcomes[0]["cause"].startswith("OSError"), outcomes[0]
+        else:
+            # rank 1's own error; rank 0 waited in the gather until the group's timeout
+            assert "injected: the shard could not be sent" in outcomes[1]["cause"], outcomes[1]
+            assert all("It also failed on global ranks [1]" in o["message"] for o in outcomes), outcomes
+        zero = outcomes[0]
+        assert zero["after"] == results[0]["before"], "the failed save changed the previous checkpoint"
+        assert zero["tmp"] == [], zero
+
+
+@pytest.mark.timeout(300)
+def test_kill_during_background_write_keeps_previous_file(tmp_path):
+    """``kill -9`` of every rank while rank 0's writer thread is writing: the previous file is intact, and the next
+    save into the folder removes the dead writer's temporary file."""
+    result = _run(tmp_path, "kill", timeout=200)
+    assert not result.timed_out, result.output[-4000:]
+    assert result.returncode == -9, f"exit code {result.returncode}; output:\n{result.output[-4000:]}"
+    folder = tmp_path / "ckpts"
+    before = (tmp_path / "before.sha256").read_text()
+    assert (tmp_path / "tmp_before_kill.txt").read_text(), "the writer thread had not started"
+    debris = sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+    assert debris, "the killed writer left no temporary file"
+    assert_success(_run(tmp_path, "cleanup"))
+    zero = read_results(tmp_path, 2)[0]
+    assert zero["before"] == before and zero["loads"], zero
+    assert zero["tmp"] == [] and zero["equal"], zero
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ordering", ["deferred", "broken"])
+def test_model_checkpoint_never_leaves_no_complete_checkpoint(tmp_path, ordering):
+    """``save_top_k=1`` and ``save_last=True`` with slowed background writes: at every moment a complete top-k
+    checkpoint is on disk, and ``best_model_path``/``last_model_path`` name committed files when ``fit`` returns.
+    With the replaced file removed at once, as ``ModelCheckpoint`` asks (``broken``), the folder has moments without
+    a complete top-k checkpoint, which the check sees."""
+    assert_success(_run(tmp_path, "model_checkpoint", *(["--broken-ordering"] if ordering == "broken" else [])))
+    results = read_results(tmp_path, 2)
+    zero = results[0]
+    assert zero["listings"] > 100, zero
+    assert zero["fewest"] == {"all": 1, "top_k": 1 if ordering == "deferred" else 0}, zero
+    assert zero["files"] == ["epoch=3.ckpt", "last.ckpt"], zero
+    assert (zero["best"], zero["best_epoch"], zero["last"], zero["last_epoch"]) == ("epoch=3.ckpt", 3, "last.ckpt", 3)
+    print(f"async saves ({ordering}): training-thread stall per save {[round(s, 3) for s in zero['stalls']]} s")
