@@ -12,10 +12,12 @@ replace, for their duration and for the thread that runs them, with :class:`_Agr
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Iterable
+from typing import Any, Callable, Generator, Iterable, List, Tuple
+
+import torch
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
-from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
@@ -84,6 +86,41 @@ def _agreeing_fairscale_collectives(guard: _CollectiveGuard, group: Any) -> Gene
         yield
     finally:
         fsdp_module.dist = original
+
+
+def _gather_units_one_at_a_time(
+    instances: List[Tuple[str, "FullyShardedDataParallel"]],
+    guard: _CollectiveGuard,
+    group: Any,
+    work: Callable[[str, "FullyShardedDataParallel"], None],
+    volatile: bool = False,
+) -> None:
+    """For each ``(prefix, instance)``: gather the instance's own full parameters (``summon_full_params(recurse=False)``,
+    its collectives over ``group`` agreed first), run ``work(prefix, instance)`` and shard them again. An exception of
+    the gather or of ``work`` is recorded in ``guard``; once any rank failed, every rank stops before the next gather.
+    Collective.
+
+    Args:
+        instances: the FSDP instances, with their names in the LightningModule, in the order every rank gathers them.
+        guard: the guard of the loop.
+        group: the FSDP process group of the instances.
+        work: this rank's local work on a gathered instance.
+        volatile: as for ``summon_full_params``: ``True`` where ``work`` does not change the parameters.
+    """
+    with torch.no_grad(), _agreeing_fairscale_collectives(guard, group):
+        for prefix, instance in instances:
+            if guard.stopped:
+                break
+            try:
+                with instance.summon_full_params(recurse=False, volatile=volatile):
+                    with guard.catch():
+                        work(prefix, instance)
+            except _PeerFailed:
+                pass
+            except Exception as ex:
+                guard.record(ex)
+            finally:
+                _reset_interrupted_gathers([instance])
 
 
 def _reset_interrupted_gathers(instances: Iterable["FullyShardedDataParallel"]) -> None:

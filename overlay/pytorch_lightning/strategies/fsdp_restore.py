@@ -12,9 +12,8 @@ from typing_extensions import override
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
-from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives, _reset_interrupted_gathers
+from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.collective_guard import _PeerFailed
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
@@ -89,20 +88,11 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
         # part, so a failure on one rank (copying a unit, or allocating its full parameters inside FairScale) stops
         # every rank before the next gather; the failing rank raises its error, the others ``_PeerFailed``
         guard = self._new_collective_guard()
-        with torch.no_grad(), _agreeing_fairscale_collectives(guard, self._process_group):
-            for prefix, instance in instances:
-                if guard.stopped:
-                    break
-                try:
-                    with instance.summon_full_params(recurse=False):
-                        with guard.catch():
-                            missing += self._load_unit(prefix, instance, state_dict, loaded)
-                except _PeerFailed:
-                    pass
-                except Exception as ex:
-                    guard.record(ex)
-                finally:
-                    _reset_interrupted_gathers([instance])
+
+        def load(prefix: str, instance: "FullyShardedDataParallel") -> None:
+            missing.extend(self._load_unit(prefix, instance, state_dict, loaded))
+
+        _gather_units_one_at_a_time(instances, guard, self._process_group, load)
         guard.settle()
         guard.raise_if_failed()
         flat_ids = {id(p) for _, instance in instances for p in instance.params}

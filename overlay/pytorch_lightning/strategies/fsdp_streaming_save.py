@@ -12,12 +12,12 @@ import torch
 from torch.optim import Optimizer
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
-from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives, _reset_interrupted_gathers
+from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
 from pytorch_lightning.strategies.fsdp_optimizer_state import _gather_buffers, _gather_into, _root_optimizer_state
 from pytorch_lightning.strategies.fsdp_restore import _own_parameters
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream, FSDPStreamDecisionMixin
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure
-from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.streamed_checkpoint_file import _NotStreamable, _StreamedCheckpointFile
 from pytorch_lightning.utilities.types import _PATH
@@ -141,21 +141,12 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         written = set()
         module = self.lightning_module
         instances = [(name, m) for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
-        with torch.no_grad(), _agreeing_fairscale_collectives(guard, self._process_group):
-            for prefix, instance in instances:
-                if guard.stopped:
-                    break
-                try:
-                    with instance.summon_full_params(recurse=False, volatile=True):
-                        if writer is not None:
-                            with guard.catch():
-                                written.update(self._write_unit(prefix, instance, stream, writer))
-                except _PeerFailed:
-                    pass
-                except Exception as ex:
-                    guard.record(ex)
-                finally:
-                    _reset_interrupted_gathers([instance])
+
+        def write(prefix: str, instance: "FullyShardedDataParallel") -> None:
+            if writer is not None:
+                written.update(self._write_unit(prefix, instance, stream, writer))
+
+        _gather_units_one_at_a_time(instances, guard, self._process_group, write, volatile=True)
         if writer is not None and not guard.stopped and written != set(stream.model):
             guard.record(
                 RuntimeError(
