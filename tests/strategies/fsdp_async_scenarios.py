@@ -10,6 +10,11 @@ gloo): ``python -m tests.strategies.fsdp_async_scenarios <scenario> --out DIR``.
 - ``model_checkpoint``: ``ModelCheckpoint(save_top_k=1, save_last=True)`` every epoch while rank 0's writes are
   slowed; a thread on rank 0 lists the folder every few milliseconds. ``--broken-ordering`` removes replaced files
   at once, as ``ModelCheckpoint`` asks, instead of after their successor is committed.
+- ``lifecycle``: in one run, with rank 0's writes slowed so that every save is still in flight at the next one:
+  ``ModelCheckpoint(filename="fixed", save_top_k=-1, every_n_train_steps=1)`` synchronously and in the background,
+  with a logger that records what its ``after_save_checkpoint`` finds on disk; a save whose writer thread cannot start
+  on rank 1 (``Thread.start`` raises, as under a pids cgroup limit); and ``SIGINT`` on every rank while a save is in
+  flight, after which ``fit`` returns.
 
 Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_async.py``.
 """
@@ -29,6 +34,7 @@ from fsdp_harness.models import FSDPModel, full_parameters
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
 from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import LightningLoggerBase
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_async_checkpoint import FSDPAsyncCheckpointMixin
 from tests.strategies.fsdp_collective_fault_scenarios import _outcome, sha256
@@ -247,12 +253,181 @@ def model_checkpoint(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+class CheckpointFilesLogger(LightningLoggerBase):
+    """Records, for each ``after_save_checkpoint``, the ``best_model_path`` it is told about and what that file
+    holds at that moment: a loggers that uploads it (Neptune, W&B) uploads that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[Dict[str, Any]] = []
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        path = Path(checkpoint_callback.best_model_path)
+        entry: Dict[str, Any] = {"name": path.name, "exists": path.exists(), "step": None}
+        if path.exists():
+            entry["step"] = torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+        self.seen.append(entry)
+
+    @property
+    def experiment(self) -> Any:
+        return None
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @property
+    def name(self) -> str:
+        return "files"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+
+def _saved_steps(folder: Path) -> Dict[str, int]:
+    return {
+        p.name: torch.load(p, map_location="cpu", weights_only=False)["global_step"]
+        for p in sorted(folder.glob("*.ckpt"))
+    }
+
+
+def _open_temporary_files() -> List[str]:
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(n for n in names if n.endswith(".tmp"))
+
+
+def _writer_threads() -> int:
+    return sum(t.name == WRITER_THREAD and t.is_alive() for t in threading.enumerate())
+
+
+def _fixed_name_saves(args: argparse.Namespace, async_checkpoint: bool) -> Dict[str, Any]:
+    """``save_top_k=-1`` with a name that does not change between saves, one save per step."""
+    folder = args.out / ("async" if async_checkpoint else "sync")
+    checkpoint = ModelCheckpoint(dirpath=str(folder), filename="fixed", save_top_k=-1, every_n_train_steps=1)
+    logger = CheckpointFilesLogger()
+    trainer = _trainer(
+        args,
+        strategy=CPUFullyShardedStrategy(async_checkpoint=async_checkpoint),
+        max_epochs=1,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+        logger=logger,
+    )
+    model = _model()
+    model.batches = 4
+    trainer.fit(model)
+    result: Dict[str, Any] = {"async_group_left": getattr(trainer.strategy, "_async_checkpoint_group", None) is not None}
+    if trainer.is_global_zero:
+        result.update(files=_saved_steps(folder), logged=logger.seen, tmp=_tmp_files(folder))
+    return result
+
+
+class StartFails(Callback):
+    """At the end of the first epoch: a good save, then one whose writer thread cannot start on global rank 1, then
+    one more."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.result: Dict[str, Any] = {}
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+        path = self.folder / "model.ckpt"
+        trainer.save_checkpoint(path)
+        trainer.strategy.wait_for_checkpoint()
+        before = sha256(path) if trainer.is_global_zero else None
+        original_start = threading.Thread.start
+
+        def start(thread: threading.Thread) -> None:
+            if thread.name == WRITER_THREAD and global_rank() == 1:
+                raise RuntimeError("can't start new thread")
+            original_start(thread)
+
+        threading.Thread.start = start
+        start_time = time.monotonic()
+        try:
+            trainer.save_checkpoint(path)
+            self.result["raised"] = False
+        except Exception as error:
+            self.result.update(_outcome(start_time, error))
+        finally:
+            threading.Thread.start = original_start
+        self.result.update(
+            in_flight=trainer.strategy._checkpoint_in_flight is not None,
+            writer_threads=_writer_threads(),
+            open_tmp=_open_temporary_files(),
+        )
+        if trainer.is_global_zero:
+            self.result.update(unchanged=sha256(path) == before, tmp=_tmp_files(self.folder))
+        trainer.save_checkpoint(self.folder / "retry.ckpt")
+        trainer.strategy.wait_for_checkpoint()
+        self.result["retry_ok"] = (self.folder / "retry.ckpt").exists()
+
+
+class InterruptWhileSaving(Callback):
+    """At the start of the third step, while the save of the second is in flight: ``SIGINT`` to this rank, as a
+    terminal's Ctrl-C sends it to every process of the job."""
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
+        if trainer.global_step == 2:
+            self.in_flight = trainer.strategy._checkpoint_in_flight is not None
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the KeyboardInterrupt is raised here, at the next bytecode
+
+
+def _interrupted_fit(args: argparse.Namespace) -> Dict[str, Any]:
+    folder = args.out / "interrupted"
+    checkpoint = ModelCheckpoint(dirpath=str(folder), filename="{step}", save_top_k=1, every_n_train_steps=1)
+    interrupt = InterruptWhileSaving()
+    trainer = _trainer(args, max_epochs=1, callbacks=[interrupt, checkpoint], enable_checkpointing=True)
+    model = _model()
+    model.batches = 4
+    trainer.fit(model)
+    result: Dict[str, Any] = {
+        "status": str(trainer.state.status),
+        "was_in_flight": interrupt.in_flight,
+        "in_flight": trainer.strategy._checkpoint_in_flight is not None,
+        "writer_threads": _writer_threads(),
+    }
+    if trainer.is_global_zero:
+        result.update(files=_saved_steps(folder), tmp=_tmp_files(folder))
+    return result
+
+
+def lifecycle(args: argparse.Namespace) -> Dict[str, Any]:
+    slow = InWriterThread(os, "pwrite", 0, lambda *a: time.sleep(0.02))
+    slow.armed = True
+    result: Dict[str, Any] = {"rank": global_rank()}
+    result["sync"] = _fixed_name_saves(args, async_checkpoint=False)
+    result["async"] = _fixed_name_saves(args, async_checkpoint=True)
+    folder = args.out / "start"
+    folder.mkdir(parents=True, exist_ok=True)
+    start_fails = StartFails(folder)
+    _trainer(args, max_epochs=1, callbacks=[start_fails]).fit(_model())
+    result["start_fails"] = start_fails.result
+    result["interrupted"] = _interrupted_fit(args)
+    return result
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broken-ordering", action="store_true")
 
 
 if __name__ == "__main__":
     main(
-        {"failures": failures, "kill": kill, "cleanup": cleanup, "model_checkpoint": model_checkpoint},
+        {
+            "failures": failures,
+            "kill": kill,
+            "cleanup": cleanup,
+            "model_checkpoint": model_checkpoint,
+            "lifecycle": lifecycle,
+        },
         add_arguments,
     )

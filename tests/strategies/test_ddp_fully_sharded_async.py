@@ -106,3 +106,44 @@ def test_model_checkpoint_never_leaves_no_complete_checkpoint(tmp_path, ordering
     assert zero["files"] == ["epoch=3.ckpt", "last.ckpt"], zero
     assert (zero["best"], zero["best_epoch"], zero["last"], zero["last_epoch"]) == ("epoch=3.ckpt", 3, "last.ckpt", 3)
     print(f"async saves ({ordering}): training-thread stall per save {[round(s, 3) for s in zero['stalls']]} s")
+
+
+@pytest.mark.timeout(300)
+def test_background_save_lifecycle(tmp_path):
+    """In one 2-rank run, with rank 0's writes slowed so that each save is still in flight at the next one:
+
+    - ``ModelCheckpoint(filename="fixed", save_top_k=-1, every_n_train_steps=1)`` keeps as many files, with the same
+      ``global_step``s, as the synchronous save: a name in flight counts as taken;
+    - loggers' ``after_save_checkpoint`` sees each file only once it is committed;
+    - a writer thread that cannot start on rank 1 makes every rank raise ``CheckpointError`` at once, with no thread,
+      temporary file or descriptor left and the previous file intact, and the next save succeeds;
+    - ``SIGINT`` on every rank mid-save: ``fit`` returns with the save committed and the file it replaced removed.
+    """
+    assert_success(_run(tmp_path, "lifecycle", timeout=240, env={"PL_CHECKPOINT_TIMEOUT": "20"}))
+    results = read_results(tmp_path, 2)
+    zero = results[0]
+    expected = {"fixed.ckpt": 1, "fixed-v1.ckpt": 2, "fixed-v2.ckpt": 3, "fixed-v3.ckpt": 4}
+    assert zero["sync"]["files"] == expected, zero["sync"]
+    assert zero["async"]["files"] == zero["sync"]["files"], zero["async"]
+    for mode in ("sync", "async"):
+        logged = zero[mode]["logged"]
+        assert logged == [{"name": n, "exists": True, "step": s} for n, s in expected.items()], (mode, logged)
+        assert zero[mode]["tmp"] == [], zero[mode]
+        assert not any(r[mode]["async_group_left"] for r in results), results
+    for rank, result in enumerate(results):
+        outcome = result["start_fails"]
+        assert outcome["raised"], outcome
+        assert "CheckpointError" in outcome["mro"], outcome
+        assert "failed on global rank 1: RuntimeError: can't start new thread" in outcome["message"], outcome
+        assert outcome["seconds"] < 5, outcome
+        assert (outcome["in_flight"], outcome["writer_threads"], outcome["open_tmp"]) == (False, 0, []), outcome
+        assert outcome["retry_ok"], outcome
+    assert zero["start_fails"]["unchanged"] and zero["start_fails"]["tmp"] == [], zero["start_fails"]
+    for result in results:
+        interrupted = result["interrupted"]
+        assert interrupted["status"] == "TrainerStatus.INTERRUPTED", interrupted
+        assert interrupted["was_in_flight"], "the interrupt came with no save in flight: the test proves nothing"
+        assert (interrupted["in_flight"], interrupted["writer_threads"]) == (False, 0), interrupted
+    # the save in flight was committed, and the file it replaces (save_top_k=1) removed, before `fit` returned
+    assert zero["interrupted"]["files"] == {"step=2.ckpt": 2}, zero["interrupted"]
+    assert zero["interrupted"]["tmp"] == [], zero["interrupted"]

@@ -93,14 +93,16 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
                 job.error, f"Saving the checkpoint to {str(job.filepath)!r} in the background"
             )
         except Exception:
-            # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
-            # the next save makes a new one
-            self._async_checkpoint_group = None
-            raise
-        finally:
             if extend:
                 group.set_timeout(_checkpoint_timeout())
+            # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
+            # the next save makes a new one
+            self._drop_background_process_group()
+            raise
+        if extend:
+            group.set_timeout(_checkpoint_timeout())
         self._remove_replaced_checkpoints(job)
+        job.run_after_commit()
 
     def _remove_replaced_checkpoints(self, job: "_BackgroundSave") -> None:
         """On global rank 0, remove the files ``remove_checkpoint`` was asked to remove while ``job`` was in flight,
@@ -129,32 +131,63 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         if not self._saves_in_background():
             return super()._write_streamed_units(stream, writer)
         guard = self._new_collective_guard()
-        units: List[_UnitShard] = []
-        states: List[_StateShard] = []
-        with guard.catch():
-            units, states = self._copy_shards(stream)
-        if guard.settle():
-            # copying failed on a rank (host memory): nothing was started
-            if writer is not None:
-                writer.discard()
+        job: Optional[_BackgroundSave] = None
+        try:
+            with guard.catch():
+                units, states = self._copy_shards(stream)
+            if guard.agree():
+                # collective, and it raises on every rank if it failed on any: made only once every rank has its copies
+                group = self._background_process_group()
+                with guard.catch():
+                    job = self._new_background_save(writer, group, units, states)
+            failed_ranks = guard.settle()
+        except BaseException:
+            _abandon_start(job, writer)
+            raise
+        if failed_ranks:
+            # a step failed on some rank (host memory, "can't start new thread", ...): no rank's thread goes on, so
+            # that none waits in a gather for a peer that never sends
+            _abandon_start(job, writer)
             guard.raise_if_failed()
+        assert job is not None
+        # in flight before its thread runs a collective: whatever runs next on this thread sees it
+        self._checkpoint_in_flight = job
+        job.launch()
+
+    def _background_process_group(self) -> Optional[Any]:
+        """The background threads' own gloo group, made at their first save; ``None`` on one process. Collective
+        when it is made: a process group must not be used by two threads at once, and the training thread keeps using
+        the checkpoint and FSDP groups."""
         if self.world_size > 1 and getattr(self, "_async_checkpoint_group", None) is None:
-            # the background thread's own, made at its first save (every rank is here): a process group must not be
-            # used by two threads at once, and the training thread keeps using the checkpoint and FSDP groups
             self._async_checkpoint_group = _new_checkpoint_process_group(self)
+        return getattr(self, "_async_checkpoint_group", None)
+
+    def _drop_background_process_group(self) -> None:
+        """Destroy the background threads' group (every rank is here): after a failed collective it is not used
+        again, and at the end of a stage it is not needed; the next background save makes a new one."""
+        group, self._async_checkpoint_group = getattr(self, "_async_checkpoint_group", None), None
+        if group is not None and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group(group)
+            except Exception as ex:  # a group broken by a timeout: it is dropped all the same
+                log.debug(f"Destroying the background checkpoint process group failed: {ex}")
+
+    def _new_background_save(
+        self,
+        writer: Optional[_StreamedCheckpointFile],
+        group: Optional[Any],
+        units: List[_UnitShard],
+        states: List[_StateShard],
+    ) -> "_BackgroundSave":
+        """A started :class:`_BackgroundSave` whose thread waits for :meth:`_BackgroundSave.launch`."""
         event = None
         if torch.cuda.is_available() and self.root_device.type == "cuda":
             # the copies to pinned host memory were queued on the current stream: the thread waits for them
             event = torch.cuda.Event()
             event.record()
-        job = _BackgroundSave(self, self._checkpoint_path, writer, units, states, event)
-        try:
-            job.start()
-        except BaseException:
-            if writer is not None:
-                writer.discard()
-            raise
-        self._checkpoint_in_flight = job
+        job = _BackgroundSave(self, self._checkpoint_path, writer, group, units, states, event)
+        job.start()
+        return job
 
     def _saves_in_background(self) -> bool:
         """Whether this streamed save is written in the background; the same on every rank."""
@@ -238,20 +271,63 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         try:
             if job is not None and trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
                 # another error stops this rank, maybe alone: no collective, only this rank's part of the save
-                job.join()
-                self._checkpoint_in_flight = None
-                self._remove_replaced_checkpoints(job)
-                if job.error is not None:
-                    _note_on_current_exception(
-                        f"The checkpoint being saved to {str(job.filepath)!r} in the background failed too"
-                        f" ({type(job.error).__name__}: {job.error}); the file at that path is the previous one."
-                    )
+                self._finish_checkpoint_in_flight_alone()
             elif job is not None:
                 self.wait_for_checkpoint()
         finally:
             # the host copies kept for the next save in the background: there is none before the next fit
             self._host_copy_pool = []
+            if job is None or not job.running():
+                # an abandoned save's threads still use the group until their next agreement
+                self._drop_background_process_group()
             super().teardown()
+
+    def _in_flight_checkpoint_path(self) -> Optional[_PATH]:
+        """The path of the checkpoint being saved in the background, ``None`` if none is."""
+        job = getattr(self, "_checkpoint_in_flight", None)
+        return None if job is None else job.filepath
+
+    def _run_once_committed(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on this rank once the checkpoint being saved in the background is committed, in the
+        training thread (never if it fails); at once if none is in flight."""
+        job = getattr(self, "_checkpoint_in_flight", None)
+        if job is None:
+            callback()
+        else:
+            job.after_commit.append(callback)
+
+    def _finish_checkpoint_in_flight_alone(self) -> None:
+        """Finish this rank's part of the save in flight without a collective, for a rank that stops with an error
+        or on ``KeyboardInterrupt``, maybe alone, and say how it ended. The background threads of the other ranks
+        go on with their own parts, so the save completes where every rank gets here; where a rank died it fails at
+        the background group's timeout. A second ``KeyboardInterrupt`` while waiting abandons the save: every
+        thread stops at its next agreement and the temporary file is removed."""
+        job = getattr(self, "_checkpoint_in_flight", None)
+        if job is None:
+            return
+        path = str(job.filepath)
+        log.warning(f"Waiting for the checkpoint being saved to {path!r} in the background to be written.")
+        try:
+            job.join()
+        except KeyboardInterrupt:
+            job.abandon()
+            log.error(
+                f"The checkpoint being saved to {path!r} in the background was abandoned: the file at that path is"
+                " the previous one."
+            )
+            return
+        finally:
+            self._checkpoint_in_flight = None
+            self._host_copy_pool = []
+        self._remove_replaced_checkpoints(job)
+        if job.error is not None:
+            _note_on_current_exception(
+                f"The checkpoint being saved to {path!r} in the background failed too"
+                f" ({type(job.error).__name__}: {job.error}); the file at that path is the previous one."
+            )
+        elif self.is_global_zero:
+            log.warning(f"The checkpoint being saved to {path!r} in the background is committed.")
+            job.run_after_commit()
 
 
 class _BackgroundSave:
@@ -269,6 +345,7 @@ class _BackgroundSave:
         strategy: FSDPAsyncCheckpointMixin,
         filepath: _PATH,
         writer: Optional[_StreamedCheckpointFile],
+        group: Optional[Any],
         units: List[_UnitShard],
         states: List[_StateShard],
         event: Optional[Any],
@@ -278,7 +355,7 @@ class _BackgroundSave:
         self.copies = [unit.shard for unit in units] + [state.shard for state in states]
         self.filepath = filepath
         self.rank, self.world_size = strategy.global_rank, strategy.world_size
-        self.group = getattr(strategy, "_async_checkpoint_group", None)
+        self.group = group
         exchange: Callable[[bool], List[int]]
         if self.world_size > 1:
             # allocated here, in the training thread, before anything can fail
@@ -297,15 +374,48 @@ class _BackgroundSave:
         self.committed = False
         #: the files ``remove_checkpoint`` was asked to remove while this save was in flight
         self.removals: List[_PATH] = []
+        #: what to run in the training thread once the file is committed (loggers' ``after_save_checkpoint``)
+        self.after_commit: List[Callable[[], None]] = []
+        self._launched = threading.Event()
+        self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="pl-async-checkpoint", daemon=False)
 
     def start(self) -> None:
+        """Start the thread; it waits for :meth:`launch` (or :meth:`cancel`) before its first collective, so that
+        the ranks can first agree that every rank's thread started."""
         self._thread.start()
 
+    def launch(self) -> None:
+        self._launched.set()
+
+    def cancel(self) -> None:
+        """Let a started thread end without any collective (the save did not start on every rank)."""
+        self._cancelled = True
+        self._launched.set()
+        self.join()
+
+    def abandon(self) -> None:
+        """Stop the save at the thread's next agreement on every rank (the others' threads stop there too), and
+        discard the file."""
+        self.guard.record(RuntimeError("The checkpoint was abandoned (KeyboardInterrupt)."))
+
     def join(self) -> None:
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def run_after_commit(self) -> None:
+        callbacks, self.after_commit = self.after_commit, []
+        if self.committed or self.writer is None:
+            for callback in callbacks:
+                callback()
 
     def _run(self) -> None:
+        self._launched.wait()
+        if self._cancelled:
+            return
         guard = self.guard
         try:
             # background work: the training threads of this host come first for the CPU
@@ -382,6 +492,15 @@ class _HostCopies:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
         buffer.copy_(tensor.detach(), non_blocking=pinned)
         return buffer
+
+
+def _abandon_start(job: Optional[_BackgroundSave], writer: Optional[_StreamedCheckpointFile]) -> None:
+    """Undo the start of a background save that did not start on every rank: end this rank's thread, if it started,
+    and remove the temporary file."""
+    if job is not None:
+        job.cancel()
+    if writer is not None:
+        writer.discard()
 
 
 def _valid_ranges(shards: List[torch.Tensor], numel: int) -> List[Tuple[int, int]]:
