@@ -14,7 +14,7 @@ gloo): ``python -m tests.strategies.fsdp_async_scenarios <scenario> --out DIR``.
   ``ModelCheckpoint(filename="fixed", save_top_k=-1, every_n_train_steps=1)`` synchronously and in the background,
   with a logger that records what its ``after_save_checkpoint`` finds on disk; a save whose writer thread cannot start
   on rank 1 (``Thread.start`` raises, as under a pids cgroup limit); and ``SIGINT`` on every rank while a save is in
-  flight, after which ``fit`` returns.
+  flight, in a training step and while the rank waits for the save, after which ``fit`` returns.
 
 Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_async.py``.
 """
@@ -305,7 +305,8 @@ def _open_temporary_files() -> List[str]:
 
 
 def _writer_threads() -> int:
-    return sum(t.name == WRITER_THREAD and t.is_alive() for t in threading.enumerate())
+    # by name: ``is_alive`` is False for a running thread whose ``join`` a ``KeyboardInterrupt`` broke off
+    return sum(t.name == WRITER_THREAD for t in threading.enumerate())
 
 
 def _fixed_name_saves(args: argparse.Namespace, async_checkpoint: bool) -> Dict[str, Any]:
@@ -373,19 +374,33 @@ class StartFails(Callback):
 
 class InterruptWhileSaving(Callback):
     """At the start of the third step, while the save of the second is in flight: ``SIGINT`` to this rank, as a
-    terminal's Ctrl-C sends it to every process of the job."""
+    terminal's Ctrl-C sends it to every process of the job; with ``during_wait``, while this rank waits for that save
+    in ``wait_for_checkpoint`` (where training waits when saves are slow)."""
+
+    def __init__(self, during_wait: bool) -> None:
+        self.during_wait = during_wait
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
-        if trainer.global_step == 2:
-            self.in_flight = trainer.strategy._checkpoint_in_flight is not None
+        if trainer.global_step != 2:
+            return
+        self.in_flight = trainer.strategy._checkpoint_in_flight is not None
+        self.in_wait = False
+        if self.during_wait:
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+            try:
+                trainer.strategy.wait_for_checkpoint()
+            except KeyboardInterrupt:
+                self.in_wait = True
+                raise
+        else:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)  # the KeyboardInterrupt is raised here, at the next bytecode
+        time.sleep(5)  # the KeyboardInterrupt is raised by now
 
 
-def _interrupted_fit(args: argparse.Namespace) -> Dict[str, Any]:
-    folder = args.out / "interrupted"
+def _interrupted_fit(args: argparse.Namespace, during_wait: bool) -> Dict[str, Any]:
+    folder = args.out / ("interrupted-waiting" if during_wait else "interrupted")
     checkpoint = ModelCheckpoint(dirpath=str(folder), filename="{step}", save_top_k=1, every_n_train_steps=1)
-    interrupt = InterruptWhileSaving()
+    interrupt = InterruptWhileSaving(during_wait)
     trainer = _trainer(args, max_epochs=1, callbacks=[interrupt, checkpoint], enable_checkpointing=True)
     model = _model()
     model.batches = 4
@@ -393,8 +408,10 @@ def _interrupted_fit(args: argparse.Namespace) -> Dict[str, Any]:
     result: Dict[str, Any] = {
         "status": str(trainer.state.status),
         "was_in_flight": interrupt.in_flight,
+        "in_wait": interrupt.in_wait,
         "in_flight": trainer.strategy._checkpoint_in_flight is not None,
         "writer_threads": _writer_threads(),
+        "async_group_left": trainer.strategy._async_checkpoint_group is not None,
     }
     if trainer.is_global_zero:
         result.update(files=_saved_steps(folder), tmp=_tmp_files(folder))
@@ -412,7 +429,8 @@ def lifecycle(args: argparse.Namespace) -> Dict[str, Any]:
     start_fails = StartFails(folder)
     _trainer(args, max_epochs=1, callbacks=[start_fails]).fit(_model())
     result["start_fails"] = start_fails.result
-    result["interrupted"] = _interrupted_fit(args)
+    result["interrupted"] = _interrupted_fit(args, during_wait=False)
+    result["interrupted_waiting"] = _interrupted_fit(args, during_wait=True)
     return result
 
 

@@ -117,7 +117,8 @@ def test_background_save_lifecycle(tmp_path):
     - loggers' ``after_save_checkpoint`` sees each file only once it is committed;
     - a writer thread that cannot start on rank 1 makes every rank raise ``CheckpointError`` at once, with no thread,
       temporary file or descriptor left and the previous file intact, and the next save succeeds;
-    - ``SIGINT`` on every rank mid-save: ``fit`` returns with the save committed and the file it replaced removed.
+    - ``SIGINT`` on every rank mid-save, in a step and while waiting for the save: ``fit`` returns with the save
+      committed, the file it replaced removed and the background group destroyed.
     """
     assert_success(_run(tmp_path, "lifecycle", timeout=240, env={"PL_CHECKPOINT_TIMEOUT": "20"}))
     results = read_results(tmp_path, 2)
@@ -139,11 +140,14 @@ def test_background_save_lifecycle(tmp_path):
         assert (outcome["in_flight"], outcome["writer_threads"], outcome["open_tmp"]) == (False, 0, []), outcome
         assert outcome["retry_ok"], outcome
     assert zero["start_fails"]["unchanged"] and zero["start_fails"]["tmp"] == [], zero["start_fails"]
-    for result in results:
-        interrupted = result["interrupted"]
-        assert interrupted["status"] == "TrainerStatus.INTERRUPTED", interrupted
-        assert interrupted["was_in_flight"], "the interrupt came with no save in flight: the test proves nothing"
-        assert (interrupted["in_flight"], interrupted["writer_threads"]) == (False, 0), interrupted
-    # the save in flight was committed, and the file it replaces (save_top_k=1) removed, before `fit` returned
-    assert zero["interrupted"]["files"] == {"step=2.ckpt": 2}, zero["interrupted"]
-    assert zero["interrupted"]["tmp"] == [], zero["interrupted"]
+    for case in ("interrupted", "interrupted_waiting"):
+        for result in results:
+            interrupted = result[case]
+            assert interrupted["status"] == "TrainerStatus.INTERRUPTED", interrupted
+            assert interrupted["was_in_flight"], "the interrupt came with no save in flight: the test proves nothing"
+            assert (interrupted["in_flight"], interrupted["writer_threads"]) == (False, 0), (case, interrupted)
+            assert not interrupted["async_group_left"], (case, interrupted)
+            assert interrupted["in_wait"] == (case == "interrupted_waiting"), (case, interrupted)
+        # the save in flight was committed, and the file it replaces (save_top_k=1) removed, before `fit` returned
+        assert zero[case]["files"] == {"step=2.ckpt": 2}, zero[case]
+        assert zero[case]["tmp"] == [], zero[case]

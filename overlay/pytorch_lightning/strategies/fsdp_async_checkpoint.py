@@ -78,9 +78,9 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         job = getattr(self, "_checkpoint_in_flight", None)
         if job is None:
             return
+        # the job stays in flight until every rank knows how it ended: a ``KeyboardInterrupt`` up to then leaves it
+        # to ``_finish_checkpoint_in_flight_alone``
         job.join()
-        self._checkpoint_in_flight = None
-        self._host_copy_pool = job.copies
         connector = self.lightning_module.trainer._checkpoint_connector
         group = _checkpoint_process_group(self)
         # a rank whose writer thread failed inside a collective leaves the others' threads waiting in it until the
@@ -93,14 +93,16 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
                 job.error, f"Saving the checkpoint to {str(job.filepath)!r} in the background"
             )
         except Exception:
-            if extend:
-                group.set_timeout(_checkpoint_timeout())
+            self._checkpoint_in_flight = None
             # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
             # the next save makes a new one
             self._drop_background_process_group()
             raise
-        if extend:
-            group.set_timeout(_checkpoint_timeout())
+        finally:
+            if extend:
+                group.set_timeout(_checkpoint_timeout())
+        self._checkpoint_in_flight = None
+        self._host_copy_pool = job.copies
         self._remove_replaced_checkpoints(job)
         job.run_after_commit()
 
@@ -306,19 +308,24 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         if job is None:
             return
         path = str(job.filepath)
+        # the other ranks' threads run once every rank agreed to start: so does this one, if it was not let go yet
+        job.launch()
         log.warning(f"Waiting for the checkpoint being saved to {path!r} in the background to be written.")
         try:
             job.join()
         except KeyboardInterrupt:
             job.abandon()
+            self._checkpoint_in_flight = None
+            # its thread may still use the group until its next agreement: the next save makes a new one
+            self._async_checkpoint_group = None
             log.error(
-                f"The checkpoint being saved to {path!r} in the background was abandoned: the file at that path is"
-                " the previous one."
+                f"The checkpoint being saved to {path!r} in the background was abandoned: unless it was complete"
+                " already, the file at that path is the previous one, and the files it was to replace are kept."
             )
             return
-        finally:
-            self._checkpoint_in_flight = None
-            self._host_copy_pool = []
+        self._checkpoint_in_flight = None
+        self._host_copy_pool = []
+        self._drop_background_process_group()
         self._remove_replaced_checkpoints(job)
         if job.error is not None:
             _note_on_current_exception(
@@ -376,7 +383,12 @@ class _BackgroundSave:
         self.removals: List[_PATH] = []
         #: what to run in the training thread once the file is committed (loggers' ``after_save_checkpoint``)
         self.after_commit: List[Callable[[], None]] = []
+        #: whether ``KeyboardInterrupt`` abandoned it
+        self.abandoned = False
         self._launched = threading.Event()
+        # set when the thread is done; waited on instead of ``Thread.join``, which a ``KeyboardInterrupt`` (CPython
+        # < 3.13) leaves believing the thread stopped, so that the interpreter's exit no longer waits for the writer
+        self._done = threading.Event()
         self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="pl-async-checkpoint", daemon=False)
 
@@ -397,25 +409,39 @@ class _BackgroundSave:
     def abandon(self) -> None:
         """Stop the save at the thread's next agreement on every rank (the others' threads stop there too), and
         discard the file."""
+        self.abandoned = True
         self.guard.record(RuntimeError("The checkpoint was abandoned (KeyboardInterrupt)."))
+        self._launched.set()
 
     def join(self) -> None:
         if self._thread.ident is not None:
+            self._done.wait()
             self._thread.join()
 
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.ident is not None and not self._done.is_set()
 
     def run_after_commit(self) -> None:
+        """Run :attr:`after_commit` if the file was committed; an error there is logged, not raised, so that it
+        cannot take this rank out of the collectives of the save or load that waited for the commit."""
         callbacks, self.after_commit = self.after_commit, []
-        if self.committed or self.writer is None:
-            for callback in callbacks:
+        if not (self.committed or self.writer is None):
+            return
+        for callback in callbacks:
+            try:
                 callback()
+            except Exception as ex:
+                log.error(f"A callback after the commit of {str(self.filepath)!r} failed: {type(ex).__name__}: {ex}")
 
     def _run(self) -> None:
-        self._launched.wait()
-        if self._cancelled:
-            return
+        try:
+            self._launched.wait()
+            if not self._cancelled:
+                self._write()
+        finally:
+            self._done.set()
+
+    def _write(self) -> None:
         guard = self.guard
         try:
             # background work: the training threads of this host come first for the CPU
@@ -446,6 +472,8 @@ class _BackgroundSave:
                 else:
                     self.writer.commit()
                     self.committed = True
+                    if self.abandoned:
+                        log.warning(f"The abandoned checkpoint {str(self.filepath)!r} was complete: it is committed.")
             self.error = guard.error_to_raise()
         except BaseException as ex:
             # e.g. the group's timeout: this rank's own error, raised by ``wait_for_checkpoint`` on every rank

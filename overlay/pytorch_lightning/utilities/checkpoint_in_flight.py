@@ -13,14 +13,15 @@ Strategies without background saves are not affected: every function here does w
 import copy
 import os
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.types import _PATH
 
-#: The callback's state at its latest committed save, per ``ModelCheckpoint``: loggers keep the proxy they are given
-#: (W&B with ``log_model=True`` reads it at ``finalize``), so the copy lives as long as the callback.
-_COMMITTED_VIEWS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+#: The callback's state at each of its saves committed in the background, by ``id`` of the ``ModelCheckpoint``:
+#: loggers keep the proxy they are given (W&B with ``log_model=True`` reads it at ``finalize``), so each copy lives
+#: as long as the callback, as the proxy of the callback itself would.
+_COMMITTED_VIEWS: Dict[int, List[Any]] = {}
 
 
 def _in_flight_path(strategy: "pl.strategies.Strategy") -> Optional[_PATH]:
@@ -31,7 +32,7 @@ def _in_flight_path(strategy: "pl.strategies.Strategy") -> Optional[_PATH]:
 def _is_in_flight(strategy: "pl.strategies.Strategy", filepath: _PATH) -> bool:
     """Whether ``filepath`` names the checkpoint being saved in the background."""
     path = _in_flight_path(strategy)
-    return path is not None and os.path.abspath(os.fspath(path)) == os.path.abspath(os.fspath(filepath))
+    return path is not None and os.path.realpath(os.fspath(path)) == os.path.realpath(os.fspath(filepath))
 
 
 def _notify_loggers_once_committed(trainer: "pl.Trainer", checkpoint_callback: Any) -> None:
@@ -45,7 +46,10 @@ def _notify_loggers_once_committed(trainer: "pl.Trainer", checkpoint_callback: A
     view.best_k_models = dict(checkpoint_callback.best_k_models)
 
     def notify() -> None:
-        _COMMITTED_VIEWS[checkpoint_callback] = view
+        key = id(checkpoint_callback)
+        if key not in _COMMITTED_VIEWS:
+            weakref.finalize(checkpoint_callback, _COMMITTED_VIEWS.pop, key, None)
+        _COMMITTED_VIEWS.setdefault(key, []).append(view)
         _call_loggers(trainer, view)
 
     trainer.strategy._run_once_committed(notify)
