@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: the standalone (GPU) tests and the gathered, streamed and asynchronous Adam benchmark configurations on
-# CUDA, in under 9 min.
+# GPU check: the standalone (GPU) tests, the gathered, streamed and asynchronous Adam benchmark configurations on
+# CUDA, and the pinned host allocator's rounding that asynchronous saves' host-memory check predicts, in under 9 min.
 #
 # Run from the repository root after README.md's setup (with the CUDA build of torch installed first); it installs
 # nothing. With 2+ GPUs the benchmark's state dict and optimizer state are gathered through NCCL on 2 ranks; with
@@ -19,8 +19,11 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 # The benchmark package, named in this one place.
 BENCH_MODULE="fsdp_benchmarks.checkpoint_memory"
+# What the host-memory check of asynchronous saves predicts for pinned buffers, against torch's pinned allocator.
+PINNED_MODULE="fsdp_benchmarks.pinned_host_rounding"
 STANDALONE_TIMEOUT=360  # the standalone tests together
 BENCH_TIMEOUT=150
+PINNED_TIMEOUT=60
 
 dry_run=0
 cpu_fallback=0
@@ -60,6 +63,7 @@ else
     exit 1
 fi
 standalone=(env PYTHON="$PYTHON" PL_STANDALONE_TIMEOUT=300 bash tests/standalone_tests.sh)
+pinned=("$PYTHON" -m "$PINNED_MODULE")  # skips itself (exit 0) without CUDA
 
 note "gpu_check: $(date -u +%FT%TZ), GPUs: $gpus, accelerator: $accelerator, benchmark ranks: $devices$([ "$dry_run" -eq 1 ] && echo ', dry run')"
 start=$SECONDS
@@ -76,10 +80,12 @@ step() {  # step NAME TIMEOUT CMD...
     local status=$?
     [ "$status" -eq 0 ] || rc=1
     note "$name: $([ "$status" -eq 0 ] && echo ok || echo "FAILED (exit $status)") in $((SECONDS - t0)) s; log: $out/$name.log"
-    grep -E "^=== standalone summary|^FAILED " "$out/$name.log" | sed 's/^/  /' | tee -a "$summary"
+    grep -E "^=== standalone summary|^FAILED |^pinned_host_rounding: " "$out/$name.log" | sed 's/^/  /' |
+        tee -a "$summary"
 }
 
 step standalone "$STANDALONE_TIMEOUT" "${standalone[@]}"
 step benchmark "$BENCH_TIMEOUT" "${bench[@]}"
+step pinned_rounding "$PINNED_TIMEOUT" "${pinned[@]}"
 note "gpu_check: $([ "$rc" -eq 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s"
 exit "$rc"

@@ -30,6 +30,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert "GPUs: 1, accelerator: gpu, benchmark ranks: 1, dry run" in summary
     assert "tests/standalone_tests.sh" in summary
     assert "-m fsdp_benchmarks.checkpoint_memory --accelerator gpu --devices 1" in summary
-    # the module the script runs exists (a renamed package would otherwise only fail on the GPU machine)
-    module = summary.split(" -m ", 1)[1].split()[0]
-    assert importlib.util.find_spec(module) is not None, module
+    assert "-m fsdp_benchmarks.pinned_host_rounding" in summary
+    # the modules the script runs exist (a renamed package would otherwise only fail on the GPU machine)
+    for part in summary.split(" -m ")[1:]:
+        module = part.split()[0]
+        assert importlib.util.find_spec(module) is not None, module

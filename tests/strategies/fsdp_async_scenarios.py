@@ -15,6 +15,10 @@ gloo): ``python -m tests.strategies.fsdp_async_scenarios <scenario> --out DIR``.
   with a logger that records what its ``after_save_checkpoint`` finds on disk; a save whose writer thread cannot start
   on rank 1 (``Thread.start`` raises, as under a pids cgroup limit); and ``SIGINT`` on every rank while a save is in
   flight, in a training step and while the rank waits for the save, after which ``fit`` returns.
+- ``host_memory``: every rank reads its host memory from a fake ``/proc`` and cgroup filesystem (``--proc``, made by
+  the test with ``tests/helpers/fake_proc.py``: both ranks in one Slurm-like job cgroup). At the end of the first
+  epoch, global rank 0 sets the job's headroom (``--headrooms``, bytes) before each of three saves; every rank reports
+  whether each went to the background and the warnings it logged, and rank 0 compares the files.
 
 Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_async.py``.
 """
@@ -24,6 +28,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -32,11 +37,14 @@ import torch
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel, full_parameters
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
+from fsdp_harness.tensor_compare import compare_tensors, iter_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import LightningLoggerBase
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_async_checkpoint import FSDPAsyncCheckpointMixin
+from pytorch_lightning.utilities import host_memory
+from tests.helpers.fake_proc import FakeProc
 from tests.strategies.fsdp_collective_fault_scenarios import _outcome, sha256
 
 WRITER_THREAD = "pl-async-checkpoint"
@@ -434,8 +442,55 @@ def lifecycle(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+#: the ``FSDPModel`` of ``host_memory``: its full parameters take ``S = 4 * UNITS * (WIDTH * WIDTH + WIDTH)`` bytes
+HOST_MEMORY_WIDTH, HOST_MEMORY_UNITS = 64, 2
+GIB = 2**30
+
+
+def host_memory_scenario(args: argparse.Namespace) -> Dict[str, Any]:
+    host_memory.PROC_ROOT = str(Path(args.proc) / "proc")
+    fake = FakeProc(Path(args.proc), create=False)
+    folder = args.out / "ckpts"
+    folder.mkdir(parents=True, exist_ok=True)
+    result: Dict[str, Any] = {"saves": []}
+
+    class SavesWithHeadroom(Callback):
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+            if trainer.current_epoch != 0:
+                return
+            strategy = trainer.strategy
+            for index, headroom in enumerate(args.headrooms):
+                strategy.barrier()
+                if trainer.is_global_zero:
+                    fake.set_job_memory(limit=GIB + headroom, usage=GIB)
+                strategy.barrier()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    trainer.save_checkpoint(folder / f"save{index}.ckpt")
+                background = getattr(strategy, "_checkpoint_in_flight", None) is not None
+                strategy.wait_for_checkpoint()
+                logged = [str(w.message) for w in caught if "async_checkpoint=True" in str(w.message)]
+                result["saves"].append({"background": background, "warnings": logged})
+            result["parameters"] = {k: v.clone() for k, v in full_parameters(pl_module).items()}
+
+    seed_everything(1)
+    model = FSDPModel(width=HOST_MEMORY_WIDTH, units=HOST_MEMORY_UNITS, batches=2, optimizer="adam")
+    trainer = _trainer(args, max_epochs=1, callbacks=[SavesWithHeadroom()])
+    trainer.fit(model)
+    parameters = result.pop("parameters")
+    result["rank"] = trainer.global_rank
+    if trainer.is_global_zero:
+        saved = [torch.load(folder / f"save{i}.ckpt", weights_only=False) for i in range(len(args.headrooms))]
+        result["complete"] = all(torch.equal(saved[0]["state_dict"][k], v) for k, v in parameters.items())
+        result["optimizer_tensors"] = len(list(iter_tensors(saved[0]["optimizer_states"])))
+        result["equal"] = [compare_tensors(saved[0], other)["ok"] for other in saved[1:]]
+    return result
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broken-ordering", action="store_true")
+    parser.add_argument("--proc", help="the fake /proc and cgroup filesystem (host_memory)")
+    parser.add_argument("--headrooms", type=int, nargs="*", default=[], help="bytes left in the job (host_memory)")
 
 
 if __name__ == "__main__":
@@ -446,6 +501,7 @@ if __name__ == "__main__":
             "cleanup": cleanup,
             "model_checkpoint": model_checkpoint,
             "lifecycle": lifecycle,
+            "host_memory": host_memory_scenario,
         },
         add_arguments,
     )

@@ -13,6 +13,11 @@ gloo): ``python -m tests.strategies.fsdp_checkpoint_group_scenarios <scenario> -
   rank 0 times out waiting for it (``PL_CHECKPOINT_TIMEOUT``, set short by the test). Every rank reports what ``fit``
   raised. Then the same job with ``PL_CHECKPOINT_GLOO_GROUP=0`` trains, saves, and a save that fails on global rank
   0 raises on every rank.
+- ``arrival``: with ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` set short by the test, global rank 1 calls
+  ``trainer.save_checkpoint`` later than global rank 0, but within the bound; then global rank 0 calls it alone, as
+  under ``if trainer.is_global_zero:``, while global rank 1 waits in a barrier of the default process group; then both
+  call it (the checkpoint group is closed on rank 0 now); then ``trainer.validate`` sets up again and both save. Every
+  rank reports each save's outcome, how long it took, and what its checkpoint group is after it.
 
 Driven by ``test_ddp_fully_sharded_checkpoint_group.py``.
 """
@@ -179,9 +184,44 @@ def gloo_group_fails(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+def _timed_save(trainer: Trainer, path: Path) -> Dict[str, Any]:
+    start = time.monotonic()
+    raised = _save(trainer, path)
+    group = type(trainer.strategy._checkpoint_process_group).__name__
+    return {"raised": raised, "seconds": time.monotonic() - start, "group": group, "written": path.exists()}
+
+
+def arrival(args: argparse.Namespace) -> Dict[str, Any]:
+    model = FSDPModel(width=WIDTH, units=UNITS, batches=2, optimizer="adam")
+    seed_everything(1)
+    trainer = _trainer(args, CPUFullyShardedStrategy())
+    trainer.fit(model)
+    rank = trainer.global_rank
+    result: Dict[str, Any] = {"rank": rank}
+    if rank == 1:
+        time.sleep(ARRIVAL_SECONDS / 2)  # late, but within the bound
+    result["late"] = _timed_save(trainer, args.out / "late.ckpt")
+    if rank == 0:
+        # the Lightning 1.x mistake: the save is a collective under FSDP
+        result["alone"] = _timed_save(trainer, args.out / "alone.ckpt")
+    trainer.strategy.barrier()
+    # both save now: the group that rank 0 closed is not used again
+    result["closed"] = _timed_save(trainer, args.out / "closed.ckpt")
+    # the next stage's setup replaces it on every rank
+    trainer.validate(model, verbose=False)
+    result["replaced"] = _timed_save(trainer, args.out / "replaced.ckpt")
+    return result
+
+
+#: ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` of ``arrival`` (the test sets it)
+ARRIVAL_SECONDS = 3.0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proc", help="the fake /proc and cgroup filesystem (host_memory)")
 
 
 if __name__ == "__main__":
-    main({"host_memory": host_memory_scenario, "gloo_group_fails": gloo_group_fails}, add_arguments)
+    main(
+        {"host_memory": host_memory_scenario, "gloo_group_fails": gloo_group_fails, "arrival": arrival}, add_arguments
+    )

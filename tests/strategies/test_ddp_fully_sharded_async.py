@@ -3,7 +3,10 @@ import pytest
 
 from fsdp_harness.multiprocess import assert_success, run_module
 from fsdp_harness.scenario import read_results
+from pytorch_lightning.utilities.host_memory import format_bytes
+from tests.helpers.fake_proc import FakeProc
 from tests.helpers.runif import RunIf
+from tests.strategies.fsdp_async_scenarios import HOST_MEMORY_UNITS, HOST_MEMORY_WIDTH
 from tests.strategies.test_ddp_fully_sharded_resume import check_exact_resume
 
 
@@ -151,3 +154,31 @@ def test_background_save_lifecycle(tmp_path):
         # the save in flight was committed, and the file it replaces (save_top_k=1) removed, before `fit` returned
         assert zero[case]["files"] == {"step=2.ckpt": 2}, zero[case]
         assert zero[case]["tmp"] == [], zero[case]
+
+
+@pytest.mark.timeout(300)
+def test_host_copies_that_do_not_fit_are_saved_synchronously(tmp_path):
+    """Both ranks in one job cgroup (fake ``/proc`` and cgroup files). Each rank copies its half of the parameters and
+    of Adam's two states (1.5 x S for a model of S bytes) and global rank 0 receives a unit from each rank (0.5 x S):
+    with 3 x S left in the job the save is synchronous, complete, and says why; with 4 x S it goes to the background;
+    then, its copies reused, 1 x S is enough."""
+    size = 4 * HOST_MEMORY_UNITS * (HOST_MEMORY_WIDTH * HOST_MEMORY_WIDTH + HOST_MEMORY_WIDTH)
+    fake = FakeProc(tmp_path / "fake")
+    headrooms = [3 * size, 4 * size, size]
+    args = ["--proc", str(tmp_path / "fake"), "--headrooms", *map(str, headrooms)]
+    assert_success(_run(tmp_path, "host_memory", *args))
+    zero, one = read_results(tmp_path, 2)
+    for result in (zero, one):
+        assert [save["background"] for save in result["saves"]] == [False, True, True], result
+    assert [save["warnings"] for save in one["saves"]] == [[], [], []]
+    assert [len(save["warnings"]) for save in zero["saves"]] == [1, 0, 0], zero["saves"]
+    warning = zero["saves"][0]["warnings"][0]
+    assert "this checkpoint is saved synchronously (streamed, as without `async_checkpoint`)" in warning
+    copies = f"6 new copies of its shards, {format_bytes(3 * size // 2)}"
+    receive = f"{format_bytes(size // 2)} to receive a unit from every rank"
+    held = f"global rank 0: {copies} and {receive}; global rank 1: {copies}"
+    assert f"need about {format_bytes(7 * size // 2)} ({held})" in warning, warning
+    assert f"but the memory cgroup '{fake.job}'" in warning
+    assert f"has only {format_bytes(3 * size)} available" in warning
+    # the synchronous file holds the parameters and the optimizer state, as the files saved in the background do
+    assert zero["complete"] and zero["optimizer_tensors"] == 8 and zero["equal"] == [True, True], zero

@@ -7,13 +7,16 @@
 - with ``flatten_parameters=False`` every rank's optimizer state reaches global rank 0 over the gloo checkpoint
   group, as CPU tensors, not over the FSDP (NCCL) group;
 - a checkpoint group that cannot be created (gloo on an unusable interface) stops every rank in ``setup`` with an
-  error naming ``GLOO_SOCKET_IFNAME``, and ``PL_CHECKPOINT_GLOO_GROUP=0`` trains without it.
+  error naming ``GLOO_SOCKET_IFNAME``, and ``PL_CHECKPOINT_GLOO_GROUP=0`` trains without it;
+- ``trainer.save_checkpoint`` called on global rank 0 alone raises after ``PL_CHECKPOINT_ARRIVAL_TIMEOUT``, naming the
+  mistake, while a rank that is late within that bound saves.
 """
 import pytest
 
 from fsdp_harness.multiprocess import assert_success, run_module
 from fsdp_harness.scenario import read_results
 from tests.helpers.fake_proc import FakeProc
+from tests.strategies.fsdp_checkpoint_group_scenarios import ARRIVAL_SECONDS
 
 SCENARIOS = "tests.strategies.fsdp_checkpoint_group_scenarios"
 
@@ -66,3 +69,32 @@ def test_checkpoint_group_that_cannot_be_created(tmp_path):
         assert result["saved"] is None
         assert result["full_disk"] is not None and "failed on global rank 0: OSError" in result["full_disk"], result
     assert (tmp_path / "saved.ckpt").exists() and not (tmp_path / "full-disk.ckpt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_save_called_on_global_rank_0_alone(tmp_path):
+    env = {"PL_CHECKPOINT_ARRIVAL_TIMEOUT": str(ARRIVAL_SECONDS), "PL_CHECKPOINT_TIMEOUT": "30"}
+    assert_success(run_module(SCENARIOS, ["arrival", "--out", str(tmp_path)], timeout=240, env=env))
+    zero, one = read_results(tmp_path, 2)
+    # global rank 1 began the save half the bound after global rank 0: it is saved
+    for result in (zero, one):
+        assert result["late"]["raised"] is None and result["late"]["group"] == "ProcessGroup", result
+    assert zero["late"]["written"] and zero["late"]["seconds"] >= ARRIVAL_SECONDS / 2
+    # global rank 0 alone: it stops once the bound has passed, with a message naming both causes
+    alone = zero["alone"]
+    assert ARRIVAL_SECONDS <= alone["seconds"] < ARRIVAL_SECONDS + 5, alone
+    message = alone["raised"]
+    assert message is not None and message.startswith("Saving the checkpoint to"), alone
+    assert f"not every rank began it within {ARRIVAL_SECONDS:g} s (`PL_CHECKPOINT_ARRIVAL_TIMEOUT`)" in message
+    assert "`trainer.save_checkpoint` is a collective call: every rank must make it" in message
+    assert "`if trainer.is_global_zero:`" in message
+    assert f"Otherwise a rank is more than {ARRIVAL_SECONDS:g} s behind the others" in message
+    assert alone["group"] == "_ClosedCheckpointGroup" and not alone["written"]
+    # the timed-out group is not used again: rank 0 raises at once, rank 1 finds it closed at once
+    assert zero["closed"]["raised"].startswith("The gloo checkpoint group of this rank was closed after the ranks did")
+    assert "not every rank began it" in one["closed"]["raised"], one["closed"]
+    for result in (zero, one):
+        assert result["closed"]["seconds"] < ARRIVAL_SECONDS and result["closed"]["group"] == "_ClosedCheckpointGroup"
+        # replaced on every rank when the next stage set up
+        assert result["replaced"]["raised"] is None and result["replaced"]["group"] == "ProcessGroup", result
+    assert zero["replaced"]["written"] and not zero["closed"]["written"]

@@ -1,9 +1,14 @@
 """The host memory a process can still allocate, from fake ``/proc`` and cgroup files (``tests/helpers/fake_proc.py``):
 the tighter of ``MemAvailable`` and each memory cgroup's limit minus its usage, and the needs of the processes under
-one bound added up."""
+one bound added up; what torch's pinned allocator takes for a pinned buffer."""
 import pytest
 
-from pytorch_lightning.utilities.host_memory import host_memory_bounds, MemoryBound, overcommitted_bound
+from pytorch_lightning.utilities.host_memory import (
+    host_memory_bounds,
+    MemoryBound,
+    overcommitted_bound,
+    pinned_host_bytes,
+)
 from tests.helpers.fake_proc import FakeProc
 
 GIB = 2**30
@@ -74,3 +79,12 @@ def test_needs_add_up_under_each_bound():
     # the lowest reading of a shared bound counts; ranks that need nothing report no bounds
     readings = [(60, [bound(host_a, 100)]), (30, [bound(host_a, 80)]), (0, [])]
     assert overcommitted_bound(readings) == (bound(host_a, 80), [0, 1], 90)
+
+
+def test_pinned_buffers_take_the_next_power_of_two():
+    """torch's ``CachingHostAllocator`` rounds each pinned block up to a power of two (checked against torch's own
+    allocator by ``tools/gpu_check.sh``): a shard a little over 1 GiB takes 2 GiB."""
+    assert [pinned_host_bytes(n) for n in (0, 1, 2, 3, 4, 5, 4096, 4097)] == [0, 1, 2, 4, 4, 8, 4096, 8192]
+    assert pinned_host_bytes(GIB) == GIB and pinned_host_bytes(GIB + 1) == 2 * GIB
+    # a 7B-parameter model's fp32 shard on 8 ranks: 3.26 GiB, pinned in 4 GiB
+    assert pinned_host_bytes(7 * 10**9 * 4 // 8) == 4 * GIB

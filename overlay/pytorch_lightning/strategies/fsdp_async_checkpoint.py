@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from typing_extensions import override
 
+from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.strategies.fsdp_streaming_save import FSDPStreamingSaveMixin
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
@@ -130,7 +131,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
 
     @override
     def _write_streamed_units(self, stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile]) -> None:
-        if not self._saves_in_background():
+        if not self._saves_in_background() or not _host_copies_fit(self, stream, writer):
             return super()._write_streamed_units(stream, writer)
         guard = self._new_collective_guard()
         job: Optional[_BackgroundSave] = None

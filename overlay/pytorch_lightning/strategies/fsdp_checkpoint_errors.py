@@ -6,7 +6,7 @@ The hooks are ``DDPFullyShardedStrategy``'s base class and the call sites in ``s
 ``lightning_module_state_dict``; ``CheckpointConnector.save_checkpoint`` raises the kept error on every rank.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -16,15 +16,21 @@ from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscal
 from pytorch_lightning.utilities.checkpoint_errors import (
     _all_gather_objects,
     _catching_state_dict_hooks,
+    _checkpoint_arrival_timeout,
+    _checkpoint_process_group,
+    _checkpoint_timeout,
+    _close_checkpoint_process_group,
+    _ClosedCheckpointGroup,
     _exchange_failure_flags,
     _exchange_flag_values,
     _failure_flag_buffers,
     FINAL_EXCHANGE_FLAG,
     _new_checkpoint_process_group,
+    _not_every_rank_began,
 )
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
 from pytorch_lightning.utilities.distributed import distributed_available
-from pytorch_lightning.utilities.host_memory import format_bytes, host_memory_bounds, overcommitted_bound
+from pytorch_lightning.utilities.host_memory import format_bytes, host_memory_bounds, MemoryBound, overcommitted_bound
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
@@ -34,10 +40,51 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
     """Methods of ``DDPFullyShardedStrategy`` that keep the ranks together when a checkpoint step fails on one."""
 
     def _setup_checkpoint_process_group(self) -> None:
-        if getattr(self, "_checkpoint_process_group", None) is None:
-            # every rank gets here: the group for the checkpoint failure-flag exchange, which waits for rank 0's writes
-            # as long as ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
-            self._checkpoint_process_group = _new_checkpoint_process_group(self)
+        group = getattr(self, "_checkpoint_process_group", None)
+        if group is not None:
+            # a later stage (every rank gets here, and every rank has a group): replace the group where a failed
+            # collective closed it on any rank, on every rank at once, since creating a group takes all of them
+            if self.reduce_boolean_decision(not isinstance(group, _ClosedCheckpointGroup)):
+                return
+            if not isinstance(group, _ClosedCheckpointGroup):
+                torch.distributed.destroy_process_group(group)
+            self._checkpoint_process_group = None
+        # the group for the checkpoint failure-flag exchange, which waits for rank 0's writes as long as
+        # ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
+        self._checkpoint_process_group = _new_checkpoint_process_group(self)
+
+    def _agree_on_checkpoint_arrival(self, action: str) -> None:
+        """Return once every rank has begun this checkpoint save, before any other collective of it. Collective.
+
+        The ranks all-gather one ``int32`` over the gloo checkpoint group, whose timeout is set to
+        ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` meanwhile (on torch builds without ``ProcessGroup.set_timeout`` it stays
+        ``PL_CHECKPOINT_TIMEOUT``). A rank cannot tell a rank that never calls the save from one that is late: both
+        are named in the error. With ``PL_CHECKPOINT_GLOO_GROUP=0`` nothing is exchanged: the save's first
+        collective waits as long as the default process group's timeout, as before.
+
+        Args:
+            action: what is being begun, naming the checkpoint path.
+
+        Raises:
+            CheckpointError: on the ranks that waited longer than that, and at once on a rank that arrives after they
+                gave up (they closed the group); the group is closed on these ranks until the next stage replaces it.
+        """
+        if not distributed_available() or self.world_size < 2:
+            return
+        group = _checkpoint_process_group(self)
+        if group is None:
+            return
+        bounded = hasattr(group, "set_timeout")
+        waited = _checkpoint_arrival_timeout() if bounded else _checkpoint_timeout()
+        try:
+            if bounded:
+                group.set_timeout(waited)
+            _exchange_flag_values(self, 0, group=group)
+        except Exception as ex:
+            _close_checkpoint_process_group(self, f"the ranks did not all begin a checkpoint save ({action})")
+            raise _not_every_rank_began(action, type(self).__name__, waited, ex) from ex
+        if bounded:
+            group.set_timeout(_checkpoint_timeout())
 
     def _gather_state_dict_on_every_rank(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         """``gather()``, FairScale's collective state-dict gather, or ``None`` where it failed on any rank.
@@ -86,14 +133,34 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         """Whether the ranks have the host memory for what they will hold while this checkpoint is gathered (see
         :meth:`_host_memory_needed`): a ``MemoryError`` on the ranks under a bound that they need more than,
         ``None`` on the others, and the global ranks under it (none if every rank has enough). Collective.
+        """
+        if not modules:
+            return None, []
+        short = self._host_memory_shortfall(*self._host_memory_needed(modules))
+        if short is None:
+            return None, []
+        if self.global_rank not in short.ranks:
+            return None, short.ranks
+        return (
+            MemoryError(
+                f"Gathering the checkpoint needs about {format_bytes(short.needed)} of host memory ({short.held}), but"
+                f" {short.bound.description} has only {format_bytes(short.bound.available)} available."
+            ),
+            short.ranks,
+        )
+
+    def _host_memory_shortfall(self, needed: int, what: str) -> Optional["_HostMemoryShortfall"]:
+        """The first bound on host memory under which the ranks need more than it has, or ``None``: the same on
+        every rank. Collective when more than one process runs.
 
         The bounds are each host's ``MemAvailable`` and the limit of each memory cgroup (a container's, a Slurm
         job's) minus what it uses; the needs of the ranks that share one add up. See
         :func:`~pytorch_lightning.utilities.host_memory.host_memory_bounds`.
+
+        Args:
+            needed: the bytes of host memory this rank is about to allocate.
+            what: what for, for the message.
         """
-        if not modules:
-            return None, []
-        needed, what = self._host_memory_needed(modules)
         report = (needed, host_memory_bounds() if needed else [])
         if distributed_available() and self.world_size > 1:
             reports = _all_gather_objects(self, (report, what))
@@ -101,20 +168,12 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
             reports = [(report, what)]
         short = overcommitted_bound([r for r, _ in reports])
         if short is None:
-            return None, []
+            return None
         bound, ranks, total = short
-        if self.global_rank not in ranks:
-            return None, ranks
         held = "; ".join(f"global rank {rank}: {reports[rank][1]}" for rank in ranks[:4])
         if len(ranks) > 4:
             held += f"; and {len(ranks) - 4} more ranks"
-        return (
-            MemoryError(
-                f"Gathering the checkpoint needs about {format_bytes(total)} of host memory ({held}), but"
-                f" {bound.description} has only {format_bytes(bound.available)} available."
-            ),
-            ranks,
-        )
+        return _HostMemoryShortfall(bound, ranks, total, held)
 
     def _host_memory_needed(self, modules: List["FullyShardedDataParallel"]) -> Tuple[int, str]:
         """The bytes of host memory this rank will hold while the checkpoint is gathered, and what for.
@@ -184,6 +243,23 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
     def _pop_checkpoint_error(self) -> Optional[BaseException]:
         error, self._checkpoint_error = getattr(self, "_checkpoint_error", None), None
         return error
+
+
+class _HostMemoryShortfall(NamedTuple):
+    """A bound on host memory that the ranks under it need more than (see
+    :meth:`FSDPCheckpointErrorsMixin._host_memory_shortfall`).
+
+    Args:
+        bound: the bound, with what is available under it.
+        ranks: the global ranks under it.
+        needed: the bytes they need together.
+        held: what the first of them need it for, for messages.
+    """
+
+    bound: MemoryBound
+    ranks: List[int]
+    needed: int
+    held: str
 
 
 def _full_state_dict_bytes(modules: List["FullyShardedDataParallel"]) -> int:

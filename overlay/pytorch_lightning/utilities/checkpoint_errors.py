@@ -14,7 +14,7 @@ import math
 import os
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Type, TYPE_CHECKING
+from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Tuple, Type, TYPE_CHECKING
 
 import torch
 
@@ -122,17 +122,67 @@ def _checkpoint_timeout() -> timedelta:
         MisconfigurationException:
             If ``PL_CHECKPOINT_TIMEOUT`` is not a positive, finite number of seconds.
     """
-    value = os.environ.get(CHECKPOINT_TIMEOUT_ENV)
+    return _seconds_from_env(CHECKPOINT_TIMEOUT_ENV, DEFAULT_CHECKPOINT_TIMEOUT)
+
+
+#: Environment variable with the number of seconds the ranks that began a checkpoint save wait for the others to begin
+#: it too, before anything else of the save (see :func:`_checkpoint_arrival_timeout`).
+CHECKPOINT_ARRIVAL_TIMEOUT_ENV = "PL_CHECKPOINT_ARRIVAL_TIMEOUT"
+
+
+#: Ten minutes: NCCL's default timeout. The ranks of a job on NCCL already meet at every collective within it, and
+#: upstream 1.6.5's FSDP save, whose first collective was an NCCL gather, waited that long for a late rank; a rank
+#: that never calls the save (``trainer.save_checkpoint`` under ``if trainer.is_global_zero:``) is named after
+#: minutes instead of after ``PL_CHECKPOINT_TIMEOUT``.
+DEFAULT_CHECKPOINT_ARRIVAL_TIMEOUT = timedelta(minutes=10)
+
+
+def _checkpoint_arrival_timeout() -> timedelta:
+    """How long the ranks that began a checkpoint save wait for the others to begin it:
+    ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` seconds if set, else :data:`DEFAULT_CHECKPOINT_ARRIVAL_TIMEOUT`, and never
+    longer than :func:`_checkpoint_timeout`.
+
+    Raises:
+        MisconfigurationException:
+            If ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` or ``PL_CHECKPOINT_TIMEOUT`` is not a positive, finite number of
+            seconds.
+    """
+    arrival = _seconds_from_env(CHECKPOINT_ARRIVAL_TIMEOUT_ENV, DEFAULT_CHECKPOINT_ARRIVAL_TIMEOUT)
+    return min(arrival, _checkpoint_timeout())
+
+
+def _not_every_rank_began(action: str, strategy_name: str, waited: timedelta, error: BaseException) -> CheckpointError:
+    """The error of a rank whose agreement that every rank began a checkpoint save failed: it waited ``waited`` (or
+    found the others gone), and cannot tell a rank that never calls the save from one that is late, so it names both.
+
+    Args:
+        action: the save, naming the checkpoint path.
+        strategy_name: the name of the strategy's class.
+        waited: how long the agreement waited at most.
+        error: what the agreement raised.
+    """
+    seconds = f"{waited.total_seconds():g} s"
+    return CheckpointError(
+        f"{action} failed: not every rank began it within {seconds} (`{CHECKPOINT_ARRIVAL_TIMEOUT_ENV}`). With"
+        f" `{strategy_name}`, `trainer.save_checkpoint` is a collective call: every rank must make it, not only global"
+        " rank 0 (e.g. under `if trainer.is_global_zero:`), though only global rank 0 writes the file. Otherwise a"
+        f" rank is more than {seconds} behind the others; if that is expected, raise"
+        f" `{CHECKPOINT_ARRIVAL_TIMEOUT_ENV}`. ({_describe_error(error)})"
+    )
+
+
+def _seconds_from_env(name: str, default: timedelta) -> timedelta:
+    """The positive, finite number of seconds in environment variable ``name``, or ``default`` if it is unset or
+    blank."""
+    value = os.environ.get(name)
     if value is None or not value.strip():
-        return DEFAULT_CHECKPOINT_TIMEOUT
+        return default
     try:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
     if not math.isfinite(seconds) or seconds <= 0:
-        raise MisconfigurationException(
-            f"`{CHECKPOINT_TIMEOUT_ENV}` must be a positive, finite number of seconds, got {value!r}."
-        )
+        raise MisconfigurationException(f"`{name}` must be a positive, finite number of seconds, got {value!r}.")
     return timedelta(seconds=seconds)
 
 
@@ -262,8 +312,44 @@ def _describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).rstrip('.')}"
 
 
-def _checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[Any]:
+class _ClosedCheckpointGroup(NamedTuple):
+    """In place of a strategy's checkpoint group that was destroyed after a collective over it failed on this rank
+    (gloo closes the connections of a collective that timed out: the group cannot be used again), until the ranks
+    replace it when the next ``Trainer`` stage sets up.
+
+    Args:
+        cause: what failed, for messages.
+    """
+
+    cause: str
+
+
+def _close_checkpoint_process_group(strategy: "pl.strategies.Strategy", cause: str) -> None:
+    """Destroy the strategy's checkpoint group after a collective over it failed on this rank, so that the ranks still
+    waiting in it, or that enter it later, fail at once instead of after its timeout; until it is replaced, a
+    checkpoint collective on this rank raises :class:`CheckpointError` (see :func:`_checkpoint_process_group`)."""
     group = getattr(strategy, "_checkpoint_process_group", None)
+    strategy._checkpoint_process_group = _ClosedCheckpointGroup(cause)
+    try:
+        torch.distributed.destroy_process_group(group)
+    except Exception:
+        pass  # unusable either way
+
+
+def _checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[Any]:
+    """The strategy's gloo checkpoint group, or ``None`` where it has none (then the default process group is used).
+
+    Raises:
+        CheckpointError: If the group was closed after a failed collective (see
+            :func:`_close_checkpoint_process_group`): falling back to the default group would pair this rank's
+            collectives with the others' gloo ones.
+    """
+    group = getattr(strategy, "_checkpoint_process_group", None)
+    if isinstance(group, _ClosedCheckpointGroup):
+        raise CheckpointError(
+            f"The gloo checkpoint group of this rank was closed after {group.cause}; the ranks create a new one when"
+            " the next `Trainer` stage (`fit`, `validate`, ...) sets up."
+        )
     return group if isinstance(group, getattr(torch.distributed, "ProcessGroup", ())) else None
 
 

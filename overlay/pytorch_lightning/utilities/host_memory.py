@@ -3,7 +3,8 @@ of each memory cgroup the process is in (a container's, a Slurm job's) minus wha
 ``/proc`` and the cgroup filesystem, v1 or v2.
 
 Used by :class:`~pytorch_lightning.strategies.fsdp_checkpoint_errors.FSDPCheckpointErrorsMixin`, which checks before
-a checkpoint is gathered that the ranks under each bound have the memory for what they will hold together.
+a checkpoint is gathered (and before an asynchronous save copies the ranks' shards into host memory) that the ranks
+under each bound have the memory for what they will hold together.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
 import os
@@ -85,6 +86,13 @@ def overcommitted_bound(
         if needed > bound.available:
             return bound, indices, needed
     return None
+
+
+def pinned_host_bytes(nbytes: int) -> int:
+    """The bytes torch's pinned host allocator (``CachingHostAllocator``, behind ``pin_memory=True`` and
+    ``Tensor.pin_memory()``) takes for a tensor of ``nbytes``: a block rounded up to the next power of two, so that
+    blocks of one size class can be reused (a freed block stays cached for that). A 1.1 GiB shard takes 2 GiB."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def format_bytes(size: int) -> str:

@@ -46,6 +46,14 @@ class CheckpointFailuresMixin:
                 f"Expected the checkpoint to be a `dict`, but it holds a `{type(loaded_checkpoint).__name__}`."
             )
 
+    def _agree_that_every_rank_saves(self, filepath: _PATH) -> None:
+        """Called first by ``Trainer.save_checkpoint``: with a strategy whose save is a collective that the ranks begin
+        by agreeing that all of them are in it (FSDP's, see ``_agree_on_checkpoint_arrival``), return once they
+        are, or raise ``CheckpointError`` after ``PL_CHECKPOINT_ARRIVAL_TIMEOUT``. Collective for those strategies."""
+        agree = getattr(self.trainer.strategy, "_agree_on_checkpoint_arrival", None)
+        if callable(agree):
+            agree(f"Saving the checkpoint to {str(filepath)!r}")
+
     def _save_checkpoint_on_every_rank(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
     ) -> None:

@@ -1,0 +1,86 @@
+"""The host-memory check of asynchronous FSDP checkpoints (``DDPFullyShardedStrategy(async_checkpoint=True)``): before
+a save copies the ranks' shards into host memory for the background, the ranks check that they have the memory for the
+copies they cannot reuse from the previous save (pinned copies as torch's pinned allocator rounds them), under each
+host's and each memory cgroup's bound together; if not, the save is synchronous (streamed), with a warning.
+
+The hook is ``FSDPAsyncCheckpointMixin._write_streamed_units``.
+"""
+# fork-feature: fork/fsdp-async-checkpoint.patch
+from collections import Counter
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+from pytorch_lightning.utilities.host_memory import format_bytes, pinned_host_bytes
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
+
+
+def _host_copies_fit(
+    strategy: Any, stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile] = None
+) -> bool:
+    """Whether the ranks have the host memory for the copies of their shards that this save in the background makes
+    (see :func:`_host_copy_need`); if not, global rank 0 warns with what the ranks under the bound that is short need
+    and have, and the save is to be synchronous. The same on every rank. Collective (one small all-gather).
+
+    Args:
+        strategy: the ``DDPFullyShardedStrategy`` saving.
+        stream: the streamed save, whose placeholders say what is copied.
+        writer: on global rank 0, the file being written, discarded if the check fails (its all-gather, say).
+    """
+    try:
+        short = strategy._host_memory_shortfall(*_host_copy_need(strategy, stream))
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
+    if short is None:
+        return True
+    rank_zero_warn(
+        "`DDPFullyShardedStrategy(async_checkpoint=True)`: this checkpoint is saved synchronously (streamed, as without"
+        f" `async_checkpoint`), because its copies in host memory need about {format_bytes(short.needed)}"
+        f" ({short.held}), but {short.bound.description} has only {format_bytes(short.bound.available)} available."
+    )
+    return False
+
+
+def _host_copy_need(strategy: Any, stream: _CheckpointStream) -> Tuple[int, str]:
+    """The bytes of host memory this rank allocates for a save in the background, and what for: a copy of each of its
+    shards of the FSDP parameters and, unless the save is weights-only, of their optimizer state (the tensors
+    ``_copy_shards`` copies) that no copy of the previous save can be reused for, pinned ones as torch's pinned
+    allocator rounds them (:func:`~pytorch_lightning.utilities.host_memory.pinned_host_bytes`); on global rank 0 also
+    the largest shard once per rank, which its writer thread receives a unit into."""
+    # imported here: fsdp_async_checkpoint imports this module
+    from pytorch_lightning.strategies.fsdp_async_checkpoint import _HostCopies
+
+    sources: List[torch.Tensor] = [
+        getattr(flat, "_fp32_shard", flat.data) for instance in strategy._fsdp_modules() for flat in instance.params
+    ]
+    if not stream.weights_only:
+        for index, optimizer in enumerate(strategy.optimizers):
+            sources += [value.reshape(-1) for _, _, value, _ in strategy._streamed_optimizer_tensors(optimizer, index)]
+    reusable = Counter(
+        _HostCopies._key(b.shape, b.dtype, b.is_pinned()) for b in getattr(strategy, "_host_copy_pool", [])
+    )
+    pageable = pinned = copies = 0
+    for source in sources:
+        on_gpu = source.device.type == "cuda"
+        key = _HostCopies._key(source.shape, source.dtype, on_gpu)
+        if reusable[key]:
+            reusable[key] -= 1
+            continue
+        copies += 1
+        nbytes = source.numel() * source.element_size()
+        if on_gpu:
+            pinned += pinned_host_bytes(nbytes)
+        else:
+            pageable += nbytes
+    held = [f"{copies} new copies of its shards, {format_bytes(pageable + pinned)}"]
+    if pinned:
+        held[0] += f" ({format_bytes(pinned)} pinned, in blocks rounded up to powers of two)"
+    receive = 0
+    if strategy.global_rank == 0 and strategy.world_size > 1 and sources:
+        receive = strategy.world_size * max(s.numel() * s.element_size() for s in sources)
+        held.append(f"{format_bytes(receive)} to receive a unit from every rank")
+    return pageable + pinned + receive, " and ".join(held)
