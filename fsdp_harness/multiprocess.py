@@ -52,34 +52,69 @@ def run_module(
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [*front, str(ROOT), full_env.get("PYTHONPATH")]))
     if front:
         full_env["PYTHONSAFEPATH"] = "1"
-    full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
+    return _run_processes(module, args, [full_env], timeout, grace)
+
+
+def run_tasks(module: str, args: List[str], envs: List[Dict[str, str]], timeout: float = 120) -> ScriptResult:
+    """Run ``python -m module *args`` from the repository root once per environment in ``envs``, all at once, as a
+    cluster's launcher (Slurm's ``srun``) starts one process per task; kill every task on timeout. The return code
+    is the first task's that is not 0, else 0.
+
+    Args:
+        module: the module to run.
+        args: its arguments, the same for every task.
+        envs: the complete environment of each task; the repository root is added to ``PYTHONPATH``.
+        timeout: seconds until every task is killed.
+    """
+    envs = [dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))) for env in envs]
+    return _run_processes(module, args, envs, timeout, grace=30)
+
+
+def _run_processes(
+    module: str, args: List[str], envs: List[Dict[str, str]], timeout: float, grace: float
+) -> ScriptResult:
+    """One ``python -m module *args`` per environment, each in a new process session with the processes it starts;
+    every session is killed on timeout, or ``grace`` seconds after every process exited or one failed."""
     # Ranks >= 1 inherit these descriptors; a file (not a pipe) never blocks them and needs no reader thread.
     with tempfile.TemporaryFile("w+") as log:
         start = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            cwd=ROOT,
-            env=full_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        procs: List[subprocess.Popen] = []
+        for env in envs:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, *args],
+                    cwd=ROOT,
+                    env={"PYTHONUNBUFFERED": "1", **env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        deadline = time.monotonic() + (0 if timed_out else grace)
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
+        # until every process exited or one failed; a failed one's peers get ``grace`` to fail too
+        while any(code is None for code in _codes(procs)) and not any(code for code in _codes(procs)):
+            if time.monotonic() - start > timeout:
+                timed_out = True
+                break
             time.sleep(0.1)
-        if _group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        deadline = time.monotonic() + (0 if timed_out else grace)
+        while any(_group_alive(proc.pid) for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for proc in procs:
+            if _group_alive(proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
         seconds = time.monotonic() - start
         log.seek(0)
         output = log.read()
-    return ScriptResult(proc.returncode, output, seconds, timed_out)
+    returncode = next((code for code in _codes(procs) if code), 0)
+    return ScriptResult(returncode, output, seconds, timed_out)
+
+
+def _codes(procs: List[subprocess.Popen]) -> List[Optional[int]]:
+    return [proc.poll() for proc in procs]
 
 
 def assert_success(result: ScriptResult) -> None:

@@ -1,0 +1,127 @@
+"""Slurm's ``SIGUSR1`` with ``SLURMEnvironment(auto_requeue=True)``: the HPC checkpoint is saved at a training batch
+boundary on every rank, and the job is requeued only once the checkpoint is committed.
+
+Slurm sends ``SIGUSR1`` (``sbatch --signal=USR1@<seconds>``) to every task of the job at the same moment, each
+somewhere in its step, and Python runs the handler at the next bytecode of the main thread: inside FairScale's backward
+hooks, or on a rank blocked in a collective only once it returns. Lightning 1.6.5 saved the checkpoint inside the
+handler, there (FSDP refuses a state dict in the middle of a step, so the save failed on every rank and the job was
+never requeued), and requeued the job as soon as ``save_checkpoint`` returned, which with ``async_checkpoint=True``
+is before the file is written. Here the handler only counts the signal. At the next training batch boundary the ranks
+agree whether any of them was signalled; then every rank saves, the save is committed, and only then does global rank
+0 run ``scontrol requeue``. Training goes on until Slurm ends the job, as in 1.6.5.
+
+The hooks are ``SignalConnector.slurm_sigusr1_handler_fn``, whose body is :func:`_record_sigusr1`, and
+``Trainer._exit_gracefully_on_signal``, which the loops call at their batch boundaries and which calls
+:func:`_requeue_if_signalled`. The requeue itself is 1.6.5's code, ``SignalConnector._requeue_slurm_job``.
+"""
+# fork-feature: fork/slurm-requeue-after-save.patch
+import logging
+
+import torch
+
+import pytorch_lightning as pl
+from pytorch_lightning.plugins.environments import SLURMEnvironment
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
+from pytorch_lightning.utilities.exceptions import CheckpointError
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+
+log = logging.getLogger(__name__)
+
+
+def _record_sigusr1(connector: "pl.trainer.connectors.signal_connector.SignalConnector") -> None:
+    """The body of the ``SIGUSR1`` handler: counts the signal, nothing else. The handler runs wherever the main
+    thread is (in the middle of a backward pass, of a collective's Python wrapper, of a log call), so it takes no lock,
+    calls no collective and cannot fail; :func:`_requeue_if_signalled` acts on the count at the next boundary. A
+    count rather than a flag, so that a signal that arrives while a boundary reads it is not cleared unseen.
+
+    Args:
+        connector: the trainer's ``SignalConnector``.
+    """
+    connector._sigusr1_received = getattr(connector, "_sigusr1_received", 0) + 1
+
+
+def _requeue_if_signalled(trainer: "pl.Trainer") -> None:
+    """At a batch boundary: if ``SIGUSR1`` reached any rank since the last time, every rank saves the HPC checkpoint
+    (:func:`_save_then_requeue`). Collective while Slurm's auto-requeue is on and more than one process runs: the loops
+    call it at the same boundaries on every rank.
+
+    It acts at training batch boundaries only (after each training batch, after a validation run and at the end of an
+    epoch). A signal that arrives during a validation run is handled once that run is over: a checkpoint saved in the
+    middle of it would resume that run partway (1.6.5's loops count the batches already done and take the rest from
+    the start of the dataloader) without the metrics ``ModelCheckpoint`` monitors for it, and the ranks need not run
+    the same number of validation batches, so an agreement between them there could hang. Outside ``fit`` nothing is
+    saved or requeued.
+
+    Args:
+        trainer: the trainer whose loops reached a boundary.
+    """
+    if not trainer.training or not _auto_requeue(trainer):
+        return
+    connector = trainer._signal_connector
+    received = getattr(connector, "_sigusr1_received", 0)
+    if not _any_rank_signalled(trainer, received > getattr(connector, "_sigusr1_handled", 0)):
+        return
+    # a signal that arrives from here on is a new one, for the next boundary
+    connector._sigusr1_handled = received
+    _save_then_requeue(trainer)
+
+
+def _auto_requeue(trainer: "pl.Trainer") -> bool:
+    """Whether the trainer requeues the job on Slurm's ``SIGUSR1``, as ``SignalConnector`` decides it."""
+    environment = trainer._accelerator_connector.cluster_environment
+    on_windows = trainer._signal_connector._is_on_windows()  # no SIGUSR1 there
+    return isinstance(environment, SLURMEnvironment) and environment.auto_requeue and not on_windows
+
+
+def _any_rank_signalled(trainer: "pl.Trainer", signalled: bool) -> bool:
+    """Whether ``signalled`` is true on any rank. Collective when more than one process runs: over the strategy's
+    gloo checkpoint group if it has one, so that the check at every batch boundary costs no device synchronisation;
+    else over the default process group, as fault-tolerant training's check for ``SIGTERM`` does.
+
+    Args:
+        trainer: the trainer whose ranks agree.
+        signalled: whether this rank got the signal.
+    """
+    if trainer.world_size < 2:
+        return signalled
+    group = _checkpoint_process_group(trainer.strategy)
+    if group is None:
+        flag = torch.tensor(int(signalled), device=trainer.strategy.root_device)
+        return bool(trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+    flag = torch.tensor([int(signalled)], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def _save_then_requeue(trainer: "pl.Trainer") -> None:
+    """Every rank saves the HPC checkpoint and waits until it is committed; then global rank 0 requeues the job.
+
+    A save that fails (``CheckpointError``, on every rank with FSDP or DeepSpeed, else on global rank 0, which
+    writes) is logged as an error and the job is requeued all the same: saves are atomic, so the newest HPC
+    checkpoint on disk is still the previous complete one, and the requeued job resumes from it (or starts as it was
+    started, if there is none). Not requeueing would let Slurm end the job at its time limit for good, losing the
+    progress up to that checkpoint as well. A save that fails every time (a full disk) thus repeats the same stretch of
+    training in each requeued job; the error in the log says so. Other exceptions, such as a
+    ``MisconfigurationException``, propagate as in 1.6.5, and the job is not requeued.
+
+    Args:
+        trainer: the trainer whose ranks all got here.
+    """
+    hpc_save_path = trainer._checkpoint_connector.hpc_save_path(trainer._weights_save_path_internal)
+    rank_zero_info(f"handling SIGUSR1: saving {hpc_save_path!r} at step {trainer.global_step}, then requeueing the job")
+    # as in 1.6.5: the loggers write out every metric logged so far before the job ends
+    for logger in trainer.loggers:
+        logger.finalize("finished")
+    try:
+        trainer.save_checkpoint(hpc_save_path)
+        # ``async_checkpoint=True`` writes the file in the background: requeue once it is committed. Collective.
+        wait_for_checkpoint = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if callable(wait_for_checkpoint):
+            wait_for_checkpoint()
+    except CheckpointError as error:
+        log.error(
+            f"Saving the HPC checkpoint for Slurm's SIGUSR1 failed on global rank {trainer.global_rank}; the job is"
+            " requeued all the same and resumes from the newest complete HPC checkpoint in"
+            f" {trainer._weights_save_path_internal!r} (as it was started, if there is none): {error}"
+        )
+    trainer._signal_connector._requeue_slurm_job()

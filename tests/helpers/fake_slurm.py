@@ -1,0 +1,83 @@
+"""A Slurm job step on this machine, as ``srun`` starts it: one process per task, each with the ``SLURM_*`` variables
+``srun`` exports, and a fake ``scontrol`` on ``PATH`` that records each call and the HPC checkpoints as they are on
+disk at that moment."""
+import os
+import socket
+import stat
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+#: The variables Lightning's own launcher and torchelastic export; a task started by ``srun`` has none of them.
+_LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+_SCONTROL = '''#!{python}
+"""Fake ``scontrol``: appends its arguments and what the newest ``hpc_ckpt_<N>.ckpt`` of ``$FAKE_SCONTROL_DIR``
+holds at the moment it runs to ``$FAKE_SCONTROL_DIR/scontrol.jsonl``."""
+import hashlib, json, os, re, sys, time
+
+folder = os.environ["FAKE_SCONTROL_DIR"]
+# the listing first, before anything slow: what is on disk when the job would be requeued
+names = sorted(os.listdir(folder))
+record = {{"argv": sys.argv[1:], "files": names, "time": time.time()}}
+versions = sorted(int(m.group(1)) for m in map(re.compile(r"hpc_ckpt_(\\d+)\\.ckpt").fullmatch, names) if m)
+if versions:
+    path = os.path.join(folder, f"hpc_ckpt_{{versions[-1]}}.ckpt")
+    record["newest"] = os.path.basename(path)
+    with open(path, "rb") as f:
+        record["sha256"] = hashlib.sha256(f.read()).hexdigest()
+    try:
+        import torch
+
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        record.update(
+            loads=True,
+            keys=sorted(checkpoint),
+            global_step=checkpoint["global_step"],
+            state_dict=len(checkpoint["state_dict"]),
+            optimizer_states=len(checkpoint["optimizer_states"]),
+        )
+    except Exception as error:
+        record.update(loads=False, error=repr(error))
+with open(os.path.join(folder, "scontrol.jsonl"), "a") as f:
+    f.write(json.dumps(record) + "\\n")
+'''
+
+
+def install_fake_scontrol(bin_dir: Path) -> Path:
+    """Writes the fake ``scontrol`` into ``bin_dir`` (to put first on ``PATH``); it runs with this interpreter."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path = bin_dir / "scontrol"
+    path.write_text(_SCONTROL.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_task_envs(ntasks: int, job_id: int, bin_dir: Path, job_name: str = "train-fsdp") -> List[Dict[str, str]]:
+    """The environment of each task of a one-node job step of ``ntasks`` tasks, as ``srun`` starts them: this
+    process's environment without the launcher variables, ``bin_dir`` first on ``PATH``, and the ``SLURM_*``
+    variables ``SLURMEnvironment`` reads (the job name is not ``bash``, which Lightning takes for an interactive
+    session). ``MASTER_PORT`` is a free port, so that parallel tests do not meet on the one derived from the job id."""
+    base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    base.update(
+        PATH=os.pathsep.join([str(bin_dir), base.get("PATH", "")]),
+        MASTER_PORT=str(_free_port()),
+        SLURM_JOB_ID=str(job_id),
+        SLURM_JOBID=str(job_id),
+        SLURM_JOB_NAME=job_name,
+        SLURM_NTASKS=str(ntasks),
+        SLURM_NPROCS=str(ntasks),
+        SLURM_NNODES="1",
+        SLURM_NODELIST="localhost",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_TASKS_PER_NODE=str(ntasks),
+        SLURM_STEP_ID="0",
+        SLURM_NODEID="0",
+    )
+    return [dict(base, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)) for rank in range(ntasks)]
