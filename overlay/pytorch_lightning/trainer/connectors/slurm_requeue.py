@@ -75,8 +75,9 @@ def _auto_requeue(trainer: "pl.Trainer") -> bool:
 
 def _any_rank_signalled(trainer: "pl.Trainer", signalled: bool) -> bool:
     """Whether ``signalled`` is true on any rank. Collective when more than one process runs: over the strategy's
-    gloo checkpoint group if it has one, so that the check at every batch boundary costs no device synchronisation;
-    else over the default process group, as fault-tolerant training's check for ``SIGTERM`` does.
+    gloo checkpoint group if it has one, at this boundary; else over the default process group (NCCL), where a
+    blocking check would synchronise the device at every batch, pipelined: each boundary starts the reduction of this
+    rank's flag without waiting for it and acts on the one the previous boundary started, one batch later.
 
     Args:
         trainer: the trainer whose ranks agree.
@@ -86,11 +87,47 @@ def _any_rank_signalled(trainer: "pl.Trainer", signalled: bool) -> bool:
         return signalled
     group = _checkpoint_process_group(trainer.strategy)
     if group is None:
-        flag = torch.tensor(int(signalled), device=trainer.strategy.root_device)
-        return bool(trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+        return _any_rank_signalled_one_boundary_later(trainer, signalled)
     flag = torch.tensor([int(signalled)], dtype=torch.int32)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(flag.item())
+
+
+class _PendingFlags:
+    """The reduction of the ranks' flags over the default process group, started at one boundary and read at the
+    next: the flag is copied to host memory behind it on the device's stream, and a CUDA event marks the copy, so
+    that reading it waits for that reduction only, not for the work queued since."""
+
+    def __init__(self, device: torch.device, signalled: bool) -> None:
+        flag = torch.tensor([int(signalled)], dtype=torch.int32, device=device)
+        self._work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        self._event = None
+        if device.type == "cuda":
+            self._work.wait()  # the current stream waits for the reduction; the host does not
+            self._flag = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self._flag.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._flag = flag
+
+    def any_set(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        else:
+            self._work.wait()
+        return bool(self._flag.item())
+
+
+def _any_rank_signalled_one_boundary_later(trainer: "pl.Trainer", signalled: bool) -> bool:
+    """See :func:`_any_rank_signalled`. Every rank reads the same reduction at the same boundary, so they decide
+    alike. After a decision to save, no reduction is started at that boundary: the signals it would report are the
+    ones being handled."""
+    connector = trainer._signal_connector
+    pending = getattr(connector, "_sigusr1_pending", None)
+    decided = pending is not None and pending.any_set()
+    connector._sigusr1_pending = None if decided else _PendingFlags(trainer.strategy.root_device, signalled)
+    return decided
 
 
 def _save_then_requeue(trainer: "pl.Trainer") -> None:
