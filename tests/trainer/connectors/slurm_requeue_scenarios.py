@@ -40,6 +40,8 @@ from tests.strategies.fsdp_collective_fault_scenarios import sha256
 BATCHES = 4
 #: the batch of the first fit of each case in whose backward pass the tasks are signalled
 SIGNALLED_BATCH = 1
+#: the resumed DDP fit validates after every second training batch
+VAL_CHECK_INTERVAL = 2
 CASES = ["fsdp-stream", "fsdp-async", "ddp"]
 
 
@@ -245,7 +247,7 @@ def cases(args: argparse.Namespace) -> Dict[str, Any]:
         "ddp": (
             lambda: DDPStrategy(process_group_backend="gloo"),
             {"signaller": {"in_batch": SIGNALLED_BATCH}},
-            {"signaller": {"in_validation": True}, "limit_val_batches": 2, "val_check_interval": 2},
+            {"signaller": {"in_validation": True}, "limit_val_batches": 2, "val_check_interval": VAL_CHECK_INTERVAL},
         ),
     }
     result: Dict[str, Any] = {}

@@ -15,7 +15,7 @@ from pytorch_lightning.plugins.environments import SLURMEnvironment
 from tests.helpers.boring_model import BoringModel
 from tests.helpers.fake_slurm import install_fake_scontrol, slurm_task_envs
 from tests.helpers.runif import RunIf
-from tests.trainer.connectors.slurm_requeue_scenarios import BATCHES, SIGNALLED_BATCH
+from tests.trainer.connectors.slurm_requeue_scenarios import BATCHES, SIGNALLED_BATCH, VAL_CHECK_INTERVAL
 
 SCENARIOS = "tests.trainer.connectors.slurm_requeue_scenarios"
 #: how many batch boundaries after the first one following the signal each case saves at
@@ -87,7 +87,10 @@ def test_sigusr1_requeues_after_the_checkpoint_is_committed(tmp_path):
         assert len(received) == 1 and "_run_validation" in received[0]["stack"], (rank, received)
     ends = [task["ddp"]["fits"][1]["validation_ends"][0] for task in results]
     assert ends[0]["step"] == ends[1]["step"], ends
-    saved_at = ends[0]["step"] + LATER["ddp"]
+    # not at the boundary right after the validation run, where a checkpoint would resume into that run again, but
+    # at one after a training batch without validation (every second batch runs it here: an odd step)
+    saved_at = ddp["scontrol"][1]["global_step"]
+    assert saved_at > ends[0]["step"] and saved_at % VAL_CHECK_INTERVAL, (saved_at, ends)
     _check_requeue(ddp["scontrol"][1], job_id, "hpc_ckpt_2.ckpt", saved_at, ddp["fits"][1]["sha256"]["hpc_ckpt_2.ckpt"])
     assert ddp["scontrol"][1]["time"] > max(end["time"] for end in ends), (ddp["scontrol"][1], ends)
 

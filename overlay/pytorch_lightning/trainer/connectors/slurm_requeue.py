@@ -45,25 +45,37 @@ def _requeue_if_signalled(trainer: "pl.Trainer") -> None:
     (:func:`_save_then_requeue`). Collective while Slurm's auto-requeue is on and more than one process runs: the loops
     call it at the same boundaries on every rank.
 
-    It acts at training batch boundaries only (after each training batch, after a validation run and at the end of an
-    epoch). A signal that arrives during a validation run is handled once that run is over: a checkpoint saved in the
-    middle of it would resume that run partway (1.6.5's loops count the batches already done and take the rest from
-    the start of the dataloader) without the metrics ``ModelCheckpoint`` monitors for it, and the ranks need not run
-    the same number of validation batches, so an agreement between them there could hang. Outside ``fit`` nothing is
-    saved or requeued.
+    It acts at training batch boundaries only (after each training batch and at the end of an epoch), and only where a
+    checkpoint resumes cleanly (:func:`_resumes_cleanly_from_here`). A signal that arrives during a validation run is
+    handled after the next training batch: a checkpoint saved in the middle of the run would resume it partway (1.6.5's
+    loops count the batches already done and take the rest from the start of the dataloader) without the metrics
+    ``ModelCheckpoint`` monitors for it, and the ranks need not run the same number of validation batches, so an
+    agreement between them there could hang. Outside ``fit`` nothing is saved or requeued.
 
     Args:
         trainer: the trainer whose loops reached a boundary.
     """
-    if not trainer.training or not _auto_requeue(trainer):
+    if not trainer.training or not _auto_requeue(trainer) or not _resumes_cleanly_from_here(trainer):
         return
     connector = trainer._signal_connector
     received = getattr(connector, "_sigusr1_received", 0)
     if not _any_rank_signalled(trainer, received > getattr(connector, "_sigusr1_handled", 0)):
         return
-    # a signal that arrives from here on is a new one, for the next boundary
-    connector._sigusr1_handled = received
     _save_then_requeue(trainer)
+    # Slurm sends one signal to every task: those counted until now, also on a rank whose handler ran only once the
+    # agreement's collective returned, are the one this save answered
+    connector._sigusr1_handled = getattr(connector, "_sigusr1_received", 0)
+
+
+def _resumes_cleanly_from_here(trainer: "pl.Trainer") -> bool:
+    """Whether a checkpoint saved at this boundary resumes as if training had not stopped: not in the middle of a
+    gradient-accumulation window (the accumulated gradients are not saved), and not right after a validation run
+    (1.6.5's loops run that validation again on resume, with no metrics for ``EarlyStopping`` and ``ModelCheckpoint``,
+    which raise or save nothing). The same on every rank: it depends on the loop's progress only."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if epoch_loop._should_accumulate():
+        return False
+    return not epoch_loop._should_check_val_fx(epoch_loop.batch_idx, epoch_loop.batch_progress.is_last_batch)
 
 
 def _auto_requeue(trainer: "pl.Trainer") -> bool:
@@ -85,7 +97,11 @@ def _any_rank_signalled(trainer: "pl.Trainer", signalled: bool) -> bool:
     """
     if trainer.world_size < 2:
         return signalled
-    group = _checkpoint_process_group(trainer.strategy)
+    try:
+        group = _checkpoint_process_group(trainer.strategy)
+    except CheckpointError:
+        # closed by a save that timed out at its arrival, on every rank: training goes on, and so does the check
+        group = None
     if group is None:
         return _any_rank_signalled_one_boundary_later(trainer, signalled)
     flag = torch.tensor([int(signalled)], dtype=torch.int32)
@@ -96,10 +112,12 @@ def _any_rank_signalled(trainer: "pl.Trainer", signalled: bool) -> bool:
 class _PendingFlags:
     """The reduction of the ranks' flags over the default process group, started at one boundary and read at the
     next: the flag is copied to host memory behind it on the device's stream, and a CUDA event marks the copy, so
-    that reading it waits for that reduction only, not for the work queued since."""
+    that reading it waits for the work queued up to that boundary (the previous step, usually done by then), not for
+    the work queued since."""
 
     def __init__(self, device: torch.device, signalled: bool) -> None:
-        flag = torch.tensor([int(signalled)], dtype=torch.int32, device=device)
+        # filled on the device: a tensor copied from host memory would synchronise the stream
+        flag = torch.full((1,), int(signalled), dtype=torch.int32, device=device)
         self._work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
         self._event = None
         if device.type == "cuda":
@@ -146,9 +164,13 @@ def _save_then_requeue(trainer: "pl.Trainer") -> None:
     """
     hpc_save_path = trainer._checkpoint_connector.hpc_save_path(trainer._weights_save_path_internal)
     rank_zero_info(f"handling SIGUSR1: saving {hpc_save_path!r} at step {trainer.global_step}, then requeueing the job")
-    # as in 1.6.5: the loggers write out every metric logged so far before the job ends
+    # as in 1.6.5: the loggers write out every metric logged so far before the job ends; a logger that cannot (a full
+    # disk) must not keep the checkpoint from being saved and the job from being requeued
     for logger in trainer.loggers:
-        logger.finalize("finished")
+        try:
+            logger.finalize("finished")
+        except Exception as error:
+            log.error(f"Finalizing the logger {type(logger).__name__} for Slurm's SIGUSR1 failed: {error}")
     try:
         trainer.save_checkpoint(hpc_save_path)
         # ``async_checkpoint=True`` writes the file in the background: requeue once it is committed. Collective.
