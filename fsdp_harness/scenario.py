@@ -19,6 +19,8 @@ def global_rank() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
+    if "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"])  # a task of ``srun`` (see ``tests/helpers/fake_srun.py``)
     # Before init (or after teardown) Lightning's launcher has already exported the rank for ranks >= 1.
     return int(os.environ.get("NODE_RANK", 0)) * int(os.environ.get("LOCAL_WORLD_SIZE", 1) or 1) + int(
         os.environ.get("LOCAL_RANK", 0)

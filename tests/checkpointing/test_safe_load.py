@@ -2,6 +2,7 @@
 user asks for it; what Lightning itself writes into checkpoints still loads by default."""
 import argparse
 import http.server
+import os
 import pickle
 import subprocess
 import sys
@@ -15,13 +16,14 @@ import torch
 from fsdp_harness.multiprocess import assert_success, run_module
 from fsdp_harness.scenario import quiet_trainer_kwargs, read_results
 from pytorch_lightning import Trainer
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.utilities import safe_load
 from pytorch_lightning.utilities.cloud_io import load as pl_load
 from pytorch_lightning.utilities.enums import PrecisionType
 from pytorch_lightning.utilities.exceptions import CheckpointError
 from pytorch_lightning.utilities.parsing import AttributeDict
-from tests.helpers import BoringModel
+from tests.helpers import BoringModel, RandomDataset
 from tests.helpers.malicious_checkpoint import make_malicious_checkpoint
 
 pytestmark = pytest.mark.skipif(not safe_load._SAFE_GLOBALS_AVAILABLE, reason="needs torch.serialization.safe_globals")
@@ -300,13 +302,115 @@ def test_a_load_keeps_what_the_user_allowed(malicious):
         torch.serialization.add_safe_globals(before)
 
 
-def test_the_tuners_own_file_choice_wins_over_the_trainer_call():
-    with safe_load.trainer_weights_only(False, own_file=True):
-        # ``CheckpointConnector`` passes the ``weights_only`` of the last Trainer call, e.g. ``fit(weights_only=True)``
-        with safe_load.trainer_weights_only(True):
-            assert safe_load.resolve_weights_only(None) is False
+def test_only_the_own_file_is_loaded_fully(malicious):
+    """``loading_own_file`` lets a load of that one file unpickle it fully, whatever the ``Trainer`` call chose; any
+    other file in the same block is loaded safely."""
+    bad, marker = malicious
+    other = bad.with_name("other.ckpt")
+    other.write_bytes(bad.read_bytes())
+    with safe_load.loading_own_file(str(bad.parent / "." / bad.name)), safe_load.trainer_weights_only(True):
+        with pytest.raises(CheckpointError):
+            pl_load(str(other))
+        assert not marker.exists()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*unpickles them fully")
+            pl_load(str(bad))
+    assert marker.exists()
     with safe_load.trainer_weights_only(True):
         assert safe_load.resolve_weights_only(None) is True
+
+
+class TunableModel(HParamsModel):
+    """A model both tuners can tune; ``plant``: arguments of ``make_malicious_checkpoint``, called when the tuner's
+    trial run ends, i.e. before the tuner restores the model's initial state."""
+
+    def __init__(self, plant=None, **hparams):
+        super().__init__(**hparams)
+        self.plant, self.lr, self.batch_size = plant, 0.1, 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layer.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(RandomDataset(32, 64), batch_size=self.batch_size)
+
+    def on_train_end(self):
+        if self.plant:
+            make_malicious_checkpoint(*self.plant)
+
+
+TUNERS = {
+    "auto_lr_find": dict(lr_find_kwargs={"num_training": 3}),
+    "auto_scale_batch_size": dict(scale_batch_size_kwargs={"max_trials": 1, "steps_per_trial": 1}),
+}
+
+
+@pytest.mark.parametrize("tuner", TUNERS)
+def test_tuner_restores_its_own_file_fully(tmp_path, monkeypatch, tuner):
+    """The initial state the tuner wrote holds what only a full unpickling builds (an ``AttributeDict`` nested in the
+    hyperparameters): restored without the warning for unsafe loads."""
+    monkeypatch.setattr(safe_load, "_warned", set())
+    trainer = _trainer(tmp_path, **{tuner: True})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*unpickles them fully")
+        trainer.tune(TunableModel(inner=AttributeDict(depth=2)), **TUNERS[tuner])
+    assert not list(tmp_path.glob(".*.ckpt")), "the tuner's file was not removed"
+
+
+@pytest.mark.parametrize("tuner", TUNERS)
+def test_tuner_loads_a_planted_hpc_checkpoint_safely(tmp_path, malicious, tuner):
+    """``CheckpointConnector.restore`` prefers an ``hpc_ckpt_<N>.ckpt`` in the root directory to the tuner's own
+    file: one that appears while the tuner runs is loaded safely, so its payload is refused."""
+    bad, marker = malicious
+    root = tmp_path / "root"
+    plant = (bad.with_name("good.ckpt"), root / "hpc_ckpt_1.ckpt", marker)
+    trainer = _trainer(root, **{tuner: True})
+    with pytest.raises(CheckpointError, match="hpc_ckpt_1.ckpt") as info:
+        trainer.tune(TunableModel(plant=plant), **TUNERS[tuner])
+    assert (root / "hpc_ckpt_1.ckpt").exists() and not marker.exists(), "the payload ran"
+    _assert_refused(info.value, root / "hpc_ckpt_1.ckpt")
+
+
+def _upgrade(path: Path, **env: str) -> subprocess.CompletedProcess:
+    """``python -m pytorch_lightning.utilities.upgrade_checkpoint --file path``, with this repository's build."""
+    command = [sys.executable, "-m", "pytorch_lightning.utilities.upgrade_checkpoint", "--file", str(path)]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), **env}
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_upgrade_checkpoint_cli_loads_safely(tmp_path):
+    """The upgrade tool loads like every other load: a checkpoint of the old schema with ``Namespace`` and enum
+    hyperparameters is upgraded; a malicious file is refused and left as it was, unless
+    ``PL_UNSAFE_CHECKPOINT_LOAD=1``."""
+    legacy = {
+        "epoch": 3,
+        "global_step": 30,
+        "state_dict": {"layer.weight": torch.ones(2, 2)},
+        "hyper_parameters": {"args": argparse.Namespace(lr=0.1, inner=argparse.Namespace(depth=2))},
+        "precision": PrecisionType.HALF,
+        "checkpoint_callback_best_model_score": torch.tensor(0.5),
+        "early_stop_callback_wait": 2,
+    }
+    path = tmp_path / "legacy.ckpt"
+    torch.save(legacy, path)
+    bad, marker = tmp_path / "bad.ckpt", tmp_path / "PAYLOAD_RAN"
+    make_malicious_checkpoint(path, bad, marker)
+    bad_bytes = bad.read_bytes()
+
+    done = _upgrade(path)
+    assert done.returncode == 0, done.stderr
+    upgraded = torch.load(path, weights_only=False)
+    assert upgraded["hyper_parameters"]["args"].inner.depth == 2 and upgraded["precision"] is PrecisionType.HALF
+    assert upgraded["callbacks"][ModelCheckpoint]["best_model_score"] == 0.5
+    assert upgraded["callbacks"][EarlyStopping]["wait_count"] == 2 and "early_stop_callback_wait" not in upgraded
+
+    refused = _upgrade(bad)
+    assert refused.returncode != 0 and "CheckpointError" in refused.stderr and "posix.system" in refused.stderr
+    assert not marker.exists() and bad.read_bytes() == bad_bytes
+
+    assert _upgrade(bad, PL_UNSAFE_CHECKPOINT_LOAD="1").returncode == 0
+    assert marker.exists()
 
 
 def test_old_torch_keeps_an_explicit_weights_only_true(malicious, monkeypatch):

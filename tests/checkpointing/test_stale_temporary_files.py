@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from pytorch_lightning.plugins.io import TorchCheckpointIO
-from pytorch_lightning.utilities.atomic_save import _writer_host_id, remove_stale_temporary_files
+from pytorch_lightning.utilities.atomic_save import remove_stale_temporary_files
 from pytorch_lightning.utilities.cloud_io import atomic_save
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile, _streamed_save_available
 from tests.helpers import flock_faults
+from tests.helpers.checkpoint_debris import OTHER_HOST, dead_pid, debris, local_temporary_name
 
-OTHER_HOST = "0123456789ab"
 TWO_DAYS = 2 * 24 * 3600
 
 
@@ -31,45 +31,26 @@ def flock_fails(request):
     flock_faults.install(None)
 
 
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
-
-
-def _debris(folder: Path, name: str, age: float = 0.0, data: bytes = b"PK\x03\x04" + bytes(1000)) -> Path:
-    """What a save killed mid-write leaves: the beginning of a ``torch.save`` zip, last modified ``age`` seconds ago."""
-    path = folder / name
-    path.write_bytes(data)
-    if age:
-        os.utime(path, (time.time() - age, time.time() - age))
-    return path
-
-
-def _local(target: str, pid: int, suffix: str = "0123abcd") -> str:
-    return f"{target}.{_writer_host_id()}.{pid}.{suffix}.tmp"
-
-
 def _open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
 def test_next_save_removes_debris_of_killed_saves(tmp_path):
-    dead = _dead_pid()
+    dead = dead_pid()
     stale = [
-        _debris(tmp_path, _local("model.ckpt", dead)),
-        _debris(tmp_path, _local("other.ckpt", dead, "deadbeef")),
-        _debris(tmp_path, _local("empty.ckpt", dead, "00000000"), data=b""),
+        debris(tmp_path, local_temporary_name("model.ckpt", dead)),
+        debris(tmp_path, local_temporary_name("other.ckpt", dead, "deadbeef")),
+        debris(tmp_path, local_temporary_name("empty.ckpt", dead, "00000000"), data=b""),
         # written elsewhere, or by an earlier revision of the fork, and untouched for two days
-        _debris(tmp_path, f"model.ckpt.{OTHER_HOST}.4242.89abcdef.tmp", age=TWO_DAYS),
-        _debris(tmp_path, "model.ckpt.0123abcd.tmp", age=TWO_DAYS),
+        debris(tmp_path, f"model.ckpt.{OTHER_HOST}.4242.89abcdef.tmp", age=TWO_DAYS),
+        debris(tmp_path, "model.ckpt.0123abcd.tmp", age=TWO_DAYS),
     ]
     atomic_save({"a": torch.ones(2)}, tmp_path / "model.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"], stale
 
 
 def test_cleanup_keeps_files_that_are_not_debris(tmp_path):
-    dead, old = _dead_pid(), time.time() - TWO_DAYS
+    dead, old = dead_pid(), time.time() - TWO_DAYS
     keep = {
         "notes.tmp": b"PK\x03\x04",  # not our name
         "model.ckpt.tmp": b"PK\x03\x04",
@@ -77,20 +58,20 @@ def test_cleanup_keeps_files_that_are_not_debris(tmp_path):
         "model.ckpt.0123abcd.tmp.bak": b"PK\x03\x04",
         "model.ckpt.0123ABCD.tmp": b"PK\x03\x04",
         "data.12345678.tmp": b"user data",  # our names, but not written by torch.save
-        _local("data", dead): b"user data",
+        local_temporary_name("data", dead): b"user data",
     }
     for name, data in keep.items():
         (tmp_path / name).write_bytes(data)
         os.utime(tmp_path / name, (old, old))
-    (tmp_path / _local("dir.ckpt", dead)).mkdir()
+    (tmp_path / local_temporary_name("dir.ckpt", dead)).mkdir()
     target = tmp_path / "elsewhere.ckpt"
     target.write_bytes(b"PK\x03\x04")
-    (tmp_path / _local("link.ckpt", dead)).symlink_to(target)
+    (tmp_path / local_temporary_name("link.ckpt", dead)).symlink_to(target)
     assert remove_stale_temporary_files(tmp_path) == []
     assert {p.name for p in tmp_path.iterdir()} == set(keep) | {
-        _local("dir.ckpt", dead),
+        local_temporary_name("dir.ckpt", dead),
         "elsewhere.ckpt",
-        _local("link.ckpt", dead),
+        local_temporary_name("link.ckpt", dead),
     }
 
 
@@ -99,7 +80,7 @@ def test_cleanup_keeps_a_save_in_flight(tmp_path):
     (killed) it is debris."""
     writer = subprocess.Popen(["sleep", "60"])
     try:
-        path = _debris(tmp_path, _local("model.ckpt", writer.pid), age=TWO_DAYS)
+        path = debris(tmp_path, local_temporary_name("model.ckpt", writer.pid), age=TWO_DAYS)
         atomic_save({"a": 1}, tmp_path / "model.ckpt")
         assert path.exists()
     finally:
@@ -111,8 +92,8 @@ def test_cleanup_keeps_a_save_in_flight(tmp_path):
 def test_cleanup_keeps_recent_files_of_other_hosts(tmp_path):
     """The writer of a file from another host (or PID namespace) cannot be looked up: its file is removed only once
     it has not been modified for a day."""
-    recent = _debris(tmp_path, f"model.ckpt.{OTHER_HOST}.4242.0123abcd.tmp", age=3600)
-    legacy = _debris(tmp_path, "model.ckpt.0123abcd.tmp", age=3600)
+    recent = debris(tmp_path, f"model.ckpt.{OTHER_HOST}.4242.0123abcd.tmp", age=3600)
+    legacy = debris(tmp_path, "model.ckpt.0123abcd.tmp", age=3600)
     assert remove_stale_temporary_files(tmp_path) == []
     for path in (recent, legacy):
         os.utime(path, (time.time() - 25 * 3600, time.time() - 25 * 3600))
@@ -131,7 +112,8 @@ def test_writer_is_safe_from_cleanups_until_the_rename(tmp_path, monkeypatch):
     original = torch.save
     monkeypatch.setattr(torch, "save", save_and_clean)
     atomic_save({"a": 1}, tmp_path / "model.ckpt")
-    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0] == _local("model.ckpt", os.getpid(), seen[0][0][-12:-4])
+    assert len(seen) == 1 and len(seen[0]) == 1
+    assert seen[0][0] == local_temporary_name("model.ckpt", os.getpid(), seen[0][0][-12:-4])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
 
 
@@ -145,7 +127,7 @@ def test_temporary_name_of_a_long_file_name_fits(tmp_path):
 
 def test_resume_removes_debris(tmp_path):
     atomic_save({"a": 1}, tmp_path / "last.ckpt")
-    stale = _debris(tmp_path, _local("last.ckpt", _dead_pid(), "89abcdef"))
+    stale = debris(tmp_path, local_temporary_name("last.ckpt", dead_pid(), "89abcdef"))
     assert TorchCheckpointIO().load_checkpoint(tmp_path / "last.ckpt") == {"a": 1}
     assert not stale.exists()
 
@@ -172,10 +154,10 @@ def test_cleanup_where_flock_fails(tmp_path, flock_fails):
     of dead writers and keeps the files of live ones."""
     writer = subprocess.Popen(["sleep", "60"])
     try:
-        dead = _debris(tmp_path, _local("model.ckpt", _dead_pid()))
-        old = _debris(tmp_path, f"model.ckpt.{OTHER_HOST}.4242.0123abcd.tmp", age=TWO_DAYS)
-        live = _debris(tmp_path, _local("model.ckpt", writer.pid))
-        recent = _debris(tmp_path, f"model.ckpt.{OTHER_HOST}.4242.89abcdef.tmp")
+        dead = debris(tmp_path, local_temporary_name("model.ckpt", dead_pid()))
+        old = debris(tmp_path, f"model.ckpt.{OTHER_HOST}.4242.0123abcd.tmp", age=TWO_DAYS)
+        live = debris(tmp_path, local_temporary_name("model.ckpt", writer.pid))
+        recent = debris(tmp_path, f"model.ckpt.{OTHER_HOST}.4242.89abcdef.tmp")
         assert sorted(remove_stale_temporary_files(tmp_path)) == sorted([str(dead), str(old)])
         assert live.exists() and recent.exists()
     finally:
@@ -184,14 +166,15 @@ def test_cleanup_where_flock_fails(tmp_path, flock_fails):
     assert remove_stale_temporary_files(tmp_path) == [str(live)]
 
 
-def _save_and_get_killed(kind: str, path: str, streamed: bool) -> None:
-    """In a forked child: save with ``flock`` failing as on ``kind``, and be killed (``SIGKILL``) when the file is
-    about to be made durable, after its data was written."""
+def _save_and_get_killed(kind: str, path: str, streamed: bool, checkpoint: dict) -> None:
+    """In a forked child: save ``checkpoint`` with ``flock`` failing as on ``kind``, and be killed (``SIGKILL``) when
+    the file is about to be made durable, after its data was written. The child computes nothing: an OpenMP kernel
+    (``torch.ones`` of this size) hangs in a forked child once the parent has used OpenMP (libgomp is not fork-safe),
+    as earlier tests in the same process do."""
     try:
         flock_faults.install(kind)
         kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         os.fsync = os.fdatasync = kill
-        checkpoint = {"state_dict": {"w": torch.ones(2**16)}}
         if streamed:
             writer = _StreamedCheckpointFile(path)
             writer.write_skeleton(checkpoint, [])
@@ -210,13 +193,13 @@ def test_killed_save_is_removed_by_the_next_one(tmp_path, flock_fails, streamed)
         pytest.skip("needs torch >= 2.5")
     path = tmp_path / "model.ckpt"
     child = multiprocessing.get_context("fork").Process(
-        target=_save_and_get_killed, args=(flock_fails, str(path), streamed)
+        target=_save_and_get_killed, args=(flock_fails, str(path), streamed, {"state_dict": {"w": torch.ones(2**16)}})
     )
     child.start()
     child.join(timeout=60)
     assert child.exitcode == -signal.SIGKILL
-    debris = [p.name for p in tmp_path.iterdir()]
-    assert debris == [_local("model.ckpt", child.pid, debris[0][-12:-4])], debris
+    left = [p.name for p in tmp_path.iterdir()]
+    assert left == [local_temporary_name("model.ckpt", child.pid, left[0][-12:-4])], left
     atomic_save({"next": 1}, path)
     assert [p.name for p in tmp_path.iterdir()] == ["model.ckpt"]
     assert torch.load(path) == {"next": 1}

@@ -4,7 +4,9 @@ the file, allowing the few Python types that Lightning itself writes into checkp
 A checkpoint is a pickle: loaded with ``weights_only=False``, a file from a shared bucket, a colleague or a model hub
 runs whatever code it carries. The hooks are ``cloud_io.load(weights_only=...)``, which every load path of
 Lightning goes through, the ``weights_only`` argument of ``Trainer.fit/validate/test/predict`` and of
-``LightningModule.load_from_checkpoint``, and the tuners, which restore a checkpoint this process wrote itself.
+``LightningModule.load_from_checkpoint``, Lightning's other loads (``upgrade_checkpoint``, DeepSpeed's
+``convert_zero_checkpoint_to_fp32_state_dict``, ``TPUSpawnStrategy.broadcast``), and the tuners, which restore a
+checkpoint this process wrote itself (:func:`loading_own_file`).
 """
 # fork-feature: fork/safe-checkpoint-load.patch
 import argparse
@@ -16,13 +18,14 @@ import pickle
 import re
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, List, Optional, Tuple
+from typing import Any, Callable, FrozenSet, Generator, List, Optional
 
 import torch
 
 from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_error_type
 from pytorch_lightning.utilities.imports import _fault_tolerant_training
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from pytorch_lightning.utilities.types import _PATH
 
 #: Set to ``1`` to load checkpoints with ``weights_only=False`` wherever a call does not choose, for pipelines that
 #: load only files they trust and hold other Python objects in them.
@@ -32,11 +35,10 @@ UNSAFE_LOAD_ENV = "PL_UNSAFE_CHECKPOINT_LOAD"
 _WEIGHTS_ONLY_AVAILABLE = "weights_only" in inspect.signature(torch.load).parameters
 _SAFE_GLOBALS_AVAILABLE = hasattr(torch.serialization, "safe_globals")
 
-# The ``weights_only`` of the ``Trainer`` call that is loading a checkpoint (``None``: it did not choose), and whether
-# the file is one this process wrote itself (the tuners'), which needs no warning.
-_trainer_choice: contextvars.ContextVar[Tuple[Optional[bool], bool]] = contextvars.ContextVar(
-    "_trainer_choice", default=(None, False)
-)
+# The ``weights_only`` of the ``Trainer`` call that is loading a checkpoint (``None``: it did not choose).
+_trainer_choice: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("_trainer_choice", default=None)
+# The files this process has just written itself and may load fully (see ``loading_own_file``), normalised.
+_own_files: contextvars.ContextVar[FrozenSet[str]] = contextvars.ContextVar("_own_files", default=frozenset())
 _warned: set = set()
 _SAFE_GLOBALS_LOCK = threading.RLock()
 
@@ -99,7 +101,7 @@ def resolve_weights_only(weights_only: Optional[bool]) -> bool:
     functions of logged metrics and numpy random states into its checkpoints, which no allow-list can load safely.
     """
     if weights_only is None:
-        weights_only = _trainer_choice.get()[0]
+        weights_only = _trainer_choice.get()
     if weights_only is None:
         unsafe = os.environ.get(UNSAFE_LOAD_ENV, "0").lower() in ("1", "true", "yes")
         weights_only = not (unsafe or _fault_tolerant_training())
@@ -107,23 +109,43 @@ def resolve_weights_only(weights_only: Optional[bool]) -> bool:
 
 
 @contextmanager
-def trainer_weights_only(weights_only: Optional[bool], own_file: bool = False) -> Generator[None, None, None]:
+def trainer_weights_only(weights_only: Optional[bool]) -> Generator[None, None, None]:
     """Within the block, loads that do not choose use ``weights_only``; ``None`` makes no choice here.
 
     Args:
         weights_only: the ``weights_only`` argument of the ``Trainer`` call.
-        own_file: the checkpoint was written by this process a moment ago (the tuners'), so loading it fully
-            needs no warning.
     """
-    if weights_only is None or _trainer_choice.get()[1]:
-        # no choice here, or inside a load of a file this process wrote, which the tuners make around the Trainer's
+    if weights_only is None:
         yield
         return
-    token = _trainer_choice.set((weights_only, own_file))
+    token = _trainer_choice.set(weights_only)
     try:
         yield
     finally:
         _trainer_choice.reset(token)
+
+
+@contextmanager
+def loading_own_file(path: _PATH) -> Generator[None, None, None]:
+    """Within the block, a load of ``path`` that does not choose unpickles it fully, without a warning: ``path`` is a
+    checkpoint this process has just written itself (the tuners' initial state, the structure of a streamed save),
+    which may hold whatever the user's objects hold. The ``Trainer`` call's choice and ``PL_UNSAFE_CHECKPOINT_LOAD``
+    do not apply to it. Any other file loaded within the block, such as an ``hpc_ckpt_<N>.ckpt`` that
+    ``CheckpointConnector.restore`` picks instead of ``path``, is loaded as it would be outside.
+
+    Args:
+        path: the file, by the path the load names it with.
+    """
+    token = _own_files.set(_own_files.get() | {_normalised(path)})
+    try:
+        yield
+    finally:
+        _own_files.reset(token)
+
+
+def _normalised(path: _PATH) -> str:
+    path = os.fspath(path)
+    return path if "://" in path else os.path.realpath(path)
 
 
 def safe_load(
@@ -134,7 +156,8 @@ def safe_load(
 
     Args:
         load: the loading function; it takes a ``weights_only`` keyword.
-        source: the file or URL being loaded, for the messages.
+        source: the file or URL being loaded, for the messages; a file of :func:`loading_own_file` is unpickled
+            fully unless ``weights_only`` says otherwise.
         weights_only: ``True`` runs no code from the file, allowing :func:`lightning_safe_globals` and what the user
             allowed with ``torch.serialization.add_safe_globals``; ``False`` unpickles it fully; ``None`` decides
             by the ``Trainer`` call and ``PL_UNSAFE_CHECKPOINT_LOAD``.
@@ -144,7 +167,11 @@ def safe_load(
             allowed; it names the global, the file and the two ways forward. Other unpickling errors (a corrupted
             file) are raised as ``torch.load`` raised them.
     """
-    chosen = weights_only if weights_only is not None else _trainer_choice.get()[0]
+    own_files = _own_files.get()
+    own_file = weights_only is None and bool(own_files) and _normalised(source) in own_files
+    if own_file:
+        weights_only = False
+    chosen = weights_only if weights_only is not None else _trainer_choice.get()
     weights_only = resolve_weights_only(weights_only)
     if _WEIGHTS_ONLY_AVAILABLE and not _SAFE_GLOBALS_AVAILABLE and chosen is True:
         # asked for explicitly: safe, even without the types Lightning writes, which this torch cannot allow
@@ -159,7 +186,7 @@ def safe_load(
             kwargs["weights_only"] = False
         return load(*args, **kwargs)
     if not weights_only:
-        if not _trainer_choice.get()[1]:
+        if not own_file:
             _warn_once(
                 "unsafe",
                 "Loading checkpoints with `weights_only=False` unpickles them fully: a checkpoint can run any code when"

@@ -19,7 +19,7 @@ from pytorch_lightning.utilities.atomic_save import (
     remove_stale_temporary_files,
 )
 from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _log_chunk_fsync_policy
-from pytorch_lightning.utilities.cloud_io import _TORCH_LOAD_KWARGS
+from pytorch_lightning.utilities.safe_load import loading_own_file, safe_load
 from pytorch_lightning.utilities.types import _PATH
 
 
@@ -90,9 +90,14 @@ class _StreamedCheckpointFile:
         skip_data = torch.serialization.skip_data(materialize_fake_tensors=True)
         with os.fdopen(self._fd, "wb", closefd=False) as f, skip_data:
             torch.save(checkpoint, f)
-        # Loaded onto the meta device, the skeleton's storages tell where their data lies in the file.
+        # Loaded onto the meta device, the skeleton's storages tell where their data lies in the file. It is this
+        # process's own file, unpickled fully (it holds whatever the checkpoint holds), so it is read through a
+        # descriptor of the very file written above, never one put in its place.
         try:
-            skeleton = torch.load(self.tmp_path, map_location="meta", **_TORCH_LOAD_KWARGS)
+            with open(self.tmp_path, "rb") as f, loading_own_file(self.tmp_path):
+                if not os.path.samestat(os.fstat(f.fileno()), os.fstat(self._fd)):
+                    raise RuntimeError(f"{self.tmp_path!r} was replaced while it was being written")
+                skeleton = safe_load(torch.load, self.tmp_path, f, map_location="meta")
         except Exception as ex:
             # e.g. ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` and hyperparameters that are not allowlisted
             raise _NotStreamable(f"the file's structure cannot be read back ({type(ex).__name__}: {ex})") from ex
