@@ -27,6 +27,7 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _failure_flag_buffers,
     _new_checkpoint_process_group,
 )
+from pytorch_lightning.utilities.checkpoint_groups import _hold_process_group, _release_process_group
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
@@ -95,7 +96,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         except Exception:
             # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
             # the next save makes a new one
-            self._async_checkpoint_group = None
+            _release_process_group(self, "_async_checkpoint_group")
             raise
         finally:
             if extend:
@@ -141,7 +142,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         if self.world_size > 1 and getattr(self, "_async_checkpoint_group", None) is None:
             # the background thread's own, made at its first save (every rank is here): a process group must not be
             # used by two threads at once, and the training thread keeps using the checkpoint and FSDP groups
-            self._async_checkpoint_group = _new_checkpoint_process_group(self)
+            _hold_process_group(self, "_async_checkpoint_group", _new_checkpoint_process_group(self))
         event = None
         if torch.cuda.is_available() and self.root_device.type == "cuda":
             # the copies to pinned host memory were queued on the current stream: the thread waits for them

@@ -22,6 +22,7 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     FINAL_EXCHANGE_FLAG,
     _new_checkpoint_process_group,
 )
+from pytorch_lightning.utilities.checkpoint_groups import _hold_process_group
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
 from pytorch_lightning.utilities.distributed import distributed_available
 from pytorch_lightning.utilities.host_memory import format_bytes, host_memory_bounds, overcommitted_bound
@@ -37,7 +38,7 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         if getattr(self, "_checkpoint_process_group", None) is None:
             # every rank gets here: the group for the checkpoint failure-flag exchange, which waits for rank 0's writes
             # as long as ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
-            self._checkpoint_process_group = _new_checkpoint_process_group(self)
+            _hold_process_group(self, "_checkpoint_process_group", _new_checkpoint_process_group(self))
 
     def _gather_state_dict_on_every_rank(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         """``gather()``, FairScale's collective state-dict gather, or ``None`` where it failed on any rank.
