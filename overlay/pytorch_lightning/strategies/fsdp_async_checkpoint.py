@@ -28,6 +28,7 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _failure_flag_buffers,
     _new_checkpoint_process_group,
 )
+from pytorch_lightning.utilities.checkpoint_groups import _hold_process_group, _release_process_group
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
@@ -162,18 +163,13 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         when it is made: a process group must not be used by two threads at once, and the training thread keeps using
         the checkpoint and FSDP groups."""
         if self.world_size > 1 and getattr(self, "_async_checkpoint_group", None) is None:
-            self._async_checkpoint_group = _new_checkpoint_process_group(self)
+            _hold_process_group(self, "_async_checkpoint_group", _new_checkpoint_process_group(self))
         return getattr(self, "_async_checkpoint_group", None)
 
     def _drop_background_process_group(self) -> None:
         """Destroy the background threads' group (every rank is here): after a failed collective it is not used
         again, and at the end of a stage it is not needed; the next background save makes a new one."""
-        group, self._async_checkpoint_group = getattr(self, "_async_checkpoint_group", None), None
-        if group is not None and torch.distributed.is_initialized():
-            try:
-                torch.distributed.destroy_process_group(group)
-            except Exception as ex:  # a group broken by a timeout: it is dropped all the same
-                log.debug(f"Destroying the background checkpoint process group failed: {ex}")
+        _release_process_group(self, "_async_checkpoint_group")
 
     def _new_background_save(
         self,

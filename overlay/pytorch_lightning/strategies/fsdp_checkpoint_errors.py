@@ -28,6 +28,7 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _new_checkpoint_process_group,
     _not_every_rank_began,
 )
+from pytorch_lightning.utilities.checkpoint_groups import _hold_process_group, _release_process_group
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
 from pytorch_lightning.utilities.distributed import distributed_available
 from pytorch_lightning.utilities.host_memory import format_bytes, host_memory_bounds, MemoryBound, overcommitted_bound
@@ -46,12 +47,13 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
             # collective closed it on any rank, on every rank at once, since creating a group takes all of them
             if self.reduce_boolean_decision(not isinstance(group, _ClosedCheckpointGroup)):
                 return
-            if not isinstance(group, _ClosedCheckpointGroup):
-                torch.distributed.destroy_process_group(group)
-            self._checkpoint_process_group = None
+            if isinstance(group, _ClosedCheckpointGroup):
+                self._checkpoint_process_group = None
+            else:
+                _release_process_group(self, "_checkpoint_process_group")
         # the group for the checkpoint failure-flag exchange, which waits for rank 0's writes as long as
         # ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
-        self._checkpoint_process_group = _new_checkpoint_process_group(self)
+        _hold_process_group(self, "_checkpoint_process_group", _new_checkpoint_process_group(self))
 
     def _agree_on_checkpoint_arrival(self, action: str) -> None:
         """Return once every rank has begun this checkpoint save, before any other collective of it. Collective.

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, T
 import torch
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities.checkpoint_groups import _release_process_group
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 
 if TYPE_CHECKING:
@@ -328,12 +329,11 @@ def _close_checkpoint_process_group(strategy: "pl.strategies.Strategy", cause: s
     """Destroy the strategy's checkpoint group after a collective over it failed on this rank, so that the ranks still
     waiting in it, or that enter it later, fail at once instead of after its timeout; until it is replaced, a
     checkpoint collective on this rank raises :class:`CheckpointError` (see :func:`_checkpoint_process_group`)."""
-    group = getattr(strategy, "_checkpoint_process_group", None)
-    strategy._checkpoint_process_group = _ClosedCheckpointGroup(cause)
     try:
-        torch.distributed.destroy_process_group(group)
+        _release_process_group(strategy, "_checkpoint_process_group")
     except Exception:
         pass  # unusable either way
+    strategy._checkpoint_process_group = _ClosedCheckpointGroup(cause)
 
 
 def _checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[Any]:
@@ -358,7 +358,8 @@ def _failure_flag_buffers(
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """The tensors of a failure-flag exchange (:func:`_exchange_failure_flags`): this rank's flag and one per rank to
     receive them, on the CPU for a gloo group, else on the root device. A loop allocates them before its first step,
-    so that its exchanges allocate nothing after a rank ran out of memory.
+    so that its exchanges allocate nothing after a rank ran out of memory. Over the default process group they are
+    the same tensors every time (see :data:`_DEFAULT_GROUP_FLAG_BUFFERS`).
 
     Args:
         strategy: the strategy whose ranks exchange their flags.
@@ -366,11 +367,26 @@ def _failure_flag_buffers(
             process group where it has none.
     """
     group = group if group is not None else _checkpoint_process_group(strategy)
-    device = torch.device("cpu") if group is not None else strategy.root_device
-    world_size = torch.distributed.get_world_size(group)
+    if group is not None:
+        return _new_flag_buffers(torch.device("cpu"), torch.distributed.get_world_size(group))
+    key = (strategy.root_device, torch.distributed.get_world_size())
+    if key not in _DEFAULT_GROUP_FLAG_BUFFERS:
+        _DEFAULT_GROUP_FLAG_BUFFERS[key] = _new_flag_buffers(*key)
+    return _DEFAULT_GROUP_FLAG_BUFFERS[key]
+
+
+def _new_flag_buffers(device: torch.device, world_size: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     return torch.zeros(1, dtype=torch.int32, device=device), [
         torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world_size)
     ]
+
+
+#: The tensors of the failure-flag exchanges over the default process group, by device and world size, kept as long as
+#: the process runs. The thread of the process group that runs an exchange (gloo's worker, NCCL's watchdog) drops it
+#: after the ranks have gone on; had Python freed the tensors by then, that thread would need the GIL to free them,
+#: which an exiting interpreter does not give: the process aborts (see ``checkpoint_groups``, which destroys the
+#: fork's own groups before the interpreter finalizes; the default group is the program's).
+_DEFAULT_GROUP_FLAG_BUFFERS: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
 
 
 #: The flag of a rank in the final failure-flag exchange of a save or load (``_raise_on_all_ranks_if_any_failed``),
@@ -396,8 +412,8 @@ def _exchange_failure_flags(
         strategy: the strategy whose ranks exchange their flags.
         failed: this rank's flag: ``0`` (or ``False``) if it did not fail, else ``1`` (or ``True``) or
             :data:`FINAL_EXCHANGE_FLAG`.
-        buffers: the tensors to exchange over, from :func:`_failure_flag_buffers` for the same ``group``; new ones by
-            default.
+        buffers: the tensors to exchange over, from :func:`_failure_flag_buffers` for the same ``group``; by default
+            those it returns.
         group: as for :func:`_failure_flag_buffers`.
     """
     return [rank for rank, flag in enumerate(_exchange_flag_values(strategy, failed, buffers, group)) if flag]
@@ -411,8 +427,9 @@ def _exchange_flag_values(
 ) -> List[int]:
     """Every rank's flag of :func:`_exchange_failure_flags`, by global rank. Collective."""
     group = group if group is not None else _checkpoint_process_group(strategy)
-    if group is None and buffers is None:
-        # the default process group, through the strategy's own collective as in Lightning
+    torch_distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if group is None and buffers is None and not torch_distributed:
+        # TPU: the strategy's own collective, as in Lightning
         flags = strategy.all_gather(torch.tensor(int(flag), device=strategy.root_device))
         return [int(value) for value in flags.reshape(-1).tolist()]
     mine, gathered = buffers if buffers is not None else _failure_flag_buffers(strategy, group)
