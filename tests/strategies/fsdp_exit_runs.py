@@ -43,6 +43,7 @@ from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.utilities import checkpoint_groups
 
 WORLD_SIZE = 2
 #: Seconds a job may take before its ranks are killed (it then counts as failed).
@@ -97,10 +98,11 @@ def _thread_name(tid: int) -> str:
 
 
 def _gloo_threads() -> Dict[str, int]:
-    """The live gloo threads of this process, by name, and the process groups ``torch.distributed`` still has."""
+    """The live gloo threads of this process, by name, the process groups ``torch.distributed`` still has, and how
+    many of them the fork holds (its checkpoint group, its background-save group)."""
     names = [_thread_name(tid) for tid in _thread_ids()]
     groups = len(torch.distributed.distributed_c10d._world.pg_map) if torch.distributed.is_initialized() else 0
-    return {"workers": names.count(GLOO_WORKER), "groups": groups}
+    return {"workers": names.count(GLOO_WORKER), "groups": groups, "fork_groups": len(checkpoint_groups._HELD)}
 
 
 def _report_gloo_threads_at_exit(folder: Path, rank: int) -> Dict[str, int]:

@@ -365,8 +365,10 @@ class _BackgroundSave:
             # allocated here, in the training thread, before anything can fail
             buffers = _failure_flag_buffers(strategy, self.group)
 
+            # the group, not ``self``: a cycle through this job would keep the group, and its gloo threads, alive
+            # until a garbage collection, maybe the finalizing interpreter's (see ``checkpoint_groups``)
             def exchange(failed: bool) -> List[int]:
-                return _exchange_failure_flags(strategy, failed, buffers, self.group)
+                return _exchange_failure_flags(strategy, failed, buffers, group)
 
         else:
 

@@ -63,6 +63,12 @@ def _release_process_group(owner: Any, attribute: str) -> None:
         return
     _HELD[:] = [held for held in _HELD if held[2] is not group]
     _destroy_group(group)
+    released = weakref.ref(group)
+    del group
+    if released() is not None:
+        # a reference cycle still holds it (a save in the background that failed, through its traceback): collected
+        # now, while the interpreter is whole, rather than by the collection of the finalizing interpreter
+        gc.collect()
 
 
 def _release_held_process_groups() -> None:
