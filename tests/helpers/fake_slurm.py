@@ -6,7 +6,7 @@ import socket
 import stat
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 #: The variables Lightning's own launcher and torchelastic export; a task started by ``srun`` has none of them.
 _LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
@@ -59,14 +59,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def slurm_task_envs(ntasks: int, job_id: int, bin_dir: Path, job_name: str = "train-fsdp") -> List[Dict[str, str]]:
+def slurm_task_envs(
+    ntasks: int, job_id: int, bin_dir: Optional[Path] = None, job_name: str = "train-fsdp"
+) -> List[Dict[str, str]]:
     """The environment of each task of a one-node job step of ``ntasks`` tasks, as ``srun`` starts them: this
-    process's environment without the launcher variables, ``bin_dir`` first on ``PATH``, and the ``SLURM_*``
+    process's environment without the launcher variables, ``bin_dir`` (if any) first on ``PATH``, and the ``SLURM_*``
     variables ``SLURMEnvironment`` reads (the job name is not ``bash``, which Lightning takes for an interactive
     session). ``MASTER_PORT`` is a free port, so that parallel tests do not meet on the one derived from the job id."""
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
     base.update(
-        PATH=os.pathsep.join([str(bin_dir), base.get("PATH", "")]),
+        PATH=os.pathsep.join([str(bin_dir), base.get("PATH", "")]) if bin_dir else base.get("PATH", ""),
         MASTER_PORT=str(_free_port()),
         SLURM_JOB_ID=str(job_id),
         SLURM_JOBID=str(job_id),

@@ -8,46 +8,17 @@ by this Python interpreter. The exit status is the first failing task's, else 0.
 (SLURM jobs derive one from the job id, which parallel tests would share).
 """
 import argparse
-import os
-import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import List
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def task_environment(procid: int, ntasks: int, job_id: str, port: int) -> Dict[str, str]:
-    """The environment of task ``procid`` of a one-node job of ``ntasks`` tasks."""
-    env = dict(os.environ)
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK"):
-        env.pop(name, None)  # what another launcher would set; srun does not
-    env.update(
-        SLURM_JOB_ID=job_id,
-        SLURM_JOB_NAME="train",
-        SLURM_NTASKS=str(ntasks),
-        SLURM_NTASKS_PER_NODE=str(ntasks),
-        SLURM_NNODES="1",
-        SLURM_NODEID="0",
-        SLURM_NODELIST="127.0.0.1",
-        SLURM_PROCID=str(procid),
-        SLURM_LOCALID=str(procid),
-        MASTER_PORT=str(port),
-    )
-    return env
+from tests.helpers.fake_slurm import slurm_task_envs
 
 
 def run(command: List[str], ntasks: int, job_id: str) -> int:
-    port = _free_port()
-    tasks = [
-        subprocess.Popen([sys.executable, *command], env=task_environment(procid, ntasks, job_id, port))
-        for procid in range(ntasks)
-    ]
+    envs = slurm_task_envs(ntasks, int(job_id), job_name="train")
+    tasks = [subprocess.Popen([sys.executable, *command], env=env) for env in envs]
     while True:
         codes = [task.poll() for task in tasks]
         failed = [code for code in codes if code not in (None, 0)]
