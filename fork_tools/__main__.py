@@ -47,7 +47,9 @@ def main(argv=None) -> int:
         elif args.command == "check":
             problems = refresh.check(ROOT)
             if revision.stale_revision():
-                problems.append("patches/revision: the series changed since the last bump; run 'python -m fork_tools bump'")
+                problems.append(
+                    "patches/revision: the series changed since the last bump; run 'python -m fork_tools bump'"
+                )
             for line in problems:
                 print(line)
             if problems:

@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="gpu: real CUDA/NCCL with DDPFullyShardedStrategy; auto picks gpu when >= N GPUs")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here")
-    parser.add_argument("--out", type=Path, help="folder for checkpoints and rank results (default: a temp dir, removed)")
+    parser.add_argument(
+        "--out", type=Path, help="folder for checkpoints and rank results (default: a temp dir, removed)"
+    )
     parser.add_argument("--timeout", type=float, help="seconds per run, all ranks (default: scales with S and N)")
     parser.add_argument(
         "--fit-every", type=int, default=0,
@@ -94,7 +96,8 @@ def run_one(
     run_dir.mkdir(parents=True)
     accelerator = resolve_accelerator(args.accelerator, world_size)
     worker_args = [
-        "save_and_resume", "--config", config, "--out", str(run_dir), "--devices", str(world_size), "--size-mb", str(args.size_mb),
+        "save_and_resume", "--config", config, "--out", str(run_dir), "--devices", str(world_size),
+        "--size-mb", str(args.size_mb),
         "--units", str(args.units), "--optimizer", registry.by_name(config).optimizer or args.optimizer,
         "--accelerator", accelerator,
     ]
@@ -119,7 +122,9 @@ def run_one(
         return report.failed_run(config, world_size, args.size_mb, f"{why}; missing ranks {missing}; {detail}")
     wrong_build = [r["rank"] for r in ranks if not build.imported_by(r["lightning_file"])]
     if wrong_build:
-        detail = f"ranks {wrong_build} imported {ranks[0]['lightning_file']}, not the {build.name} build {build.package}"
+        detail = (
+            f"ranks {wrong_build} imported {ranks[0]['lightning_file']}, not the {build.name} build {build.package}"
+        )
         print(f"  {config} N={world_size}: FAILED: {detail}", flush=True)
         return report.failed_run(config, world_size, args.size_mb, detail)
     run = report.make_run(config, world_size, ranks, complete=registry.by_name(config).complete)
@@ -186,7 +191,9 @@ def main(argv: List[str] = None) -> int:
             for world_size in args.devices:
                 plan = [(args.configs[0], 0)] + [(c, args.fit_every) for c in args.configs]
                 for config, every in plan:
-                    print(f"fit of {args.fit_steps} steps, {config}, N={world_size}, saving every {every}...", flush=True)
+                    print(
+                        f"fit of {args.fit_steps} steps, {config}, N={world_size}, saving every {every}...", flush=True
+                    )
                     fits.append(fit_one(config, world_size, every, args, out, builds[registry.by_name(config).build]))
     finally:
         if temp is not None:
@@ -211,7 +218,9 @@ def main(argv: List[str] = None) -> int:
         "python": platform.python_version(),
         "versions": _versions(),
         "malloc_mmap_threshold": MMAP_THRESHOLD,
-        "memory": "save: anonymous + mapped file pages; resume: anonymous, mapped file pages beside it (node: largest rank)",
+        "memory": (
+            "save: anonymous + mapped file pages; resume: anonymous, mapped file pages beside it (node: largest rank)"
+        ),
         "seconds": time.monotonic() - start,
         "fits": fits,
     }

@@ -103,14 +103,17 @@ def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
             continue
         for r in run["ranks"]:
             cells = [str(r["rank"]), _x(r["save_peak_extra_anon_file_mb"], size), f"{r['save_peak_extra_mb']:.1f}",
-                     f"{r['save_seconds']:.2f}", _x(r["load_peak_extra_mb"], size), f"{r['load_peak_extra_file_mb']:.1f}",
-                     f"{r['load_seconds']:.2f}"]
+                     f"{r['save_seconds']:.2f}", _x(r["load_peak_extra_mb"], size),
+                     f"{r['load_peak_extra_file_mb']:.1f}", f"{r['load_seconds']:.2f}"]
             if gpu:
-                cells += [f"{r.get('save_cuda_max_allocated_mb', 0):.1f}", f"{r.get('load_cuda_max_allocated_mb', 0):.1f}"]
+                cells += [
+                    f"{r.get('save_cuda_max_allocated_mb', 0):.1f}", f"{r.get('load_cuda_max_allocated_mb', 0):.1f}"
+                ]
             rows.append(head + cells + ["", "", ""])
         stream = run.get("stream_check")
         ok = ("yes" if run["ok"] else "NO") + (f", {stream['compared']} tensors = gathered" if stream else "")
-        cells = ["node", _x(run["node_save_peak_extra_anon_file_mb"], size), f"{run['node_save_peak_extra_mb']:.1f}", "",
+        cells = ["node", _x(run["node_save_peak_extra_anon_file_mb"], size),
+                 f"{run['node_save_peak_extra_mb']:.1f}", "",
                  _x(run["node_load_peak_extra_mb"], size), f"{run['node_load_peak_extra_file_mb']:.1f}", ""]
         if gpu:
             cells += ["", ""]
@@ -128,11 +131,14 @@ def table(runs: List[Dict[str, Any]]) -> str:
     """Per-rank rows and a node total per run, aligned for stdout."""
     header = _header(runs)
     rows = _rows(runs)
-    widths = [max([len(header[i])] + [len(row[i]) for row in rows if len(row) == len(header)]) for i in range(len(header))]
+    widths = [
+        max([len(header[i])] + [len(row[i]) for row in rows if len(row) == len(header)]) for i in range(len(header))
+    ]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines.append("-" * len(lines[0]))
     for row in rows:
-        lines.append(("  ".join(c.rjust(w) for c, w in zip(row, widths)) if len(row) == len(header) else "  ".join(row)).rstrip())
+        cells = "  ".join(c.rjust(w) for c, w in zip(row, widths)) if len(row) == len(header) else "  ".join(row)
+        lines.append(cells.rstrip())
         if row[2] == "node" or len(row) != len(header):
             lines.append("")
     return "\n".join(lines)

@@ -2,8 +2,8 @@
 
 The fork's ``TorchCheckpointIO`` streams saves into a temporary file and memory-maps local files on load. To show the
 upstream PR with upstream's I/O on the fork's build, ``rank0-only`` plugs in this ``CheckpointIO``, which does what
-1.6.5 did (the ``upstream`` configurations run 1.6.5 itself and need none): serialise the whole checkpoint into an in-memory buffer, write that
-buffer out in one go, and read files back with a plain ``torch.load`` into private memory.
+1.6.5 did (the ``upstream`` configurations run 1.6.5 itself and need none): serialise the whole checkpoint into an
+in-memory buffer, write that buffer out in one go, and read files back with a plain ``torch.load`` into private memory.
 """
 import inspect
 import io

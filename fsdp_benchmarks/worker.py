@@ -21,7 +21,8 @@ from the repository root. Every rank:
    the checkpoint on top of what the rank held just before, whether Lightning restores before sharding (upstream
    1.6.5) or after. The wall time covers the same window (with upstream's order it includes wrapping the model).
    Training stops at ``on_train_start``; the resumed parameters are gathered and compared with the file again;
-5. writes ``<out>/rank<N>.json`` (with the ``pytorch_lightning`` it imported, so the runner can check the build) (or, when it raises, ``<out>/rank<N>.error``; see :mod:`fsdp_harness.scenario`).
+5. writes ``<out>/rank<N>.json`` (with the ``pytorch_lightning`` it imported, so the runner can check the build)
+   (or, when it raises, ``<out>/rank<N>.error``; see :mod:`fsdp_harness.scenario`).
 """
 import argparse
 import os

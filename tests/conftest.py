@@ -8,7 +8,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "standalone: runs in its own process (see tests/standalone_tests.sh)")
     if os.getenv("PL_RUN_STANDALONE_TESTS", "0") != "1":
         # Every test outside the standalone (GPU) run is a CPU test, and the multi-process ones run FairScale FSDP
-        # through the CPU harness (tests/helpers/cpu_fsdp.py), which is only correct without CUDA: with a GPU
+        # through the CPU harness (fsdp_harness/cpu_fsdp.py), which is only correct without CUDA: with a GPU
         # visible FairScale picks `cuda` as compute device under a CPU/gloo strategy. Hide CUDA from this process
         # and every rank it starts, so that the suite behaves the same on a GPU machine (CI's GPU agents).
         os.environ["CUDA_VISIBLE_DEVICES"] = ""

@@ -1,8 +1,8 @@
 """Smoke tests of the checkpoint-memory benchmark, run as a user runs it
-(``python -m fsdp_benchmarks.checkpoint_memory`` or ``python fsdp_benchmarks/checkpoint_memory.py``), never imported: the tests and the benchmarks share only
-``fsdp_harness``. At a tiny size it completes, the JSON has the documented schema, every configuration's checkpoint
-is correct, and the plot is written. Memory figures are measured by the benchmark itself, never asserted here (they
-are too noisy for a timed unit test).
+(``python -m fsdp_benchmarks.checkpoint_memory`` or ``python fsdp_benchmarks/checkpoint_memory.py``), never imported:
+the tests and the benchmarks share only ``fsdp_harness``. At a tiny size it completes, the JSON has the documented
+schema, every configuration's checkpoint is correct, and the plot is written. Memory figures are measured by the
+benchmark itself, never asserted here (they are too noisy for a timed unit test).
 
 The smoke run takes five of the seven configurations, to keep its time on 2 cores: ``fork-stream-adam`` checks the
 streamed file against a gathered save with Adam (the ``fork-adam`` path) and differs from ``fork-stream`` by the
@@ -52,7 +52,8 @@ def test_checkpoint_memory_benchmark_smoke(tmp_path):
     json_path, plot_path = tmp_path / "result.json", tmp_path / "result.png"
     proc = run_benchmark(
         "--devices", "2", "--size-mb", "8", "--units", "4", "--accelerator", "cpu", "--json", str(json_path),
-        "--plot", str(plot_path), "--out", str(tmp_path / "out"), "--timeout", "180", "--configs", ",".join(SMOKE_CONFIGS),
+        "--plot", str(plot_path), "--out", str(tmp_path / "out"), "--timeout", "180",
+        "--configs", ",".join(SMOKE_CONFIGS),
         timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-8000:]
@@ -125,7 +126,8 @@ def test_plot_from_saved_results(tmp_path):
     import matplotlib.image
 
     runs = [
-        _synthetic_run("upstream", 2, 3.6, 3.5, complete=False), _synthetic_run("upstream", 4, 5.2, 7.0, complete=False),
+        _synthetic_run("upstream", 2, 3.6, 3.5, complete=False),
+        _synthetic_run("upstream", 4, 5.2, 7.0, complete=False),
         _synthetic_run("fork", 2, 2.1, 1.0), _synthetic_run("fork", 4, 2.4, 1.0),
         {"config": "fork-stream", "world_size": 2, "state_dict_mb": 8.0, "ranks": [], "ok": False, "error": "x"},
     ]

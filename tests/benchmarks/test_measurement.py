@@ -38,8 +38,10 @@ def test_anonymous_memory_counts_as_anonymous():
 
 
 def test_compare_tensors_walks_nested_state():
-    state = {"state_dict": {"a.weight": torch.ones(3)}, "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(2),
-                                                                                           "step": torch.tensor(3.0)}}}]}
+    state = {
+        "state_dict": {"a.weight": torch.ones(3)},
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(2), "step": torch.tensor(3.0)}}}],
+    }
     same = {"state_dict": {"a.weight": torch.ones(3)}, "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(2),
                                                                                           "step": torch.tensor(3.0)}}}]}
     assert compare_tensors(state, same) == {"compared": 3, "mismatched": [], "ok": True}

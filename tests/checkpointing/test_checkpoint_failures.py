@@ -1,8 +1,10 @@
 """Single-process checks of CheckpointError (the fork/checkpoint-errors-on-every-rank patch); the 2-rank fault
 scenarios are in tests/strategies/test_ddp_fully_sharded_faults.py."""
+import builtins
 import errno
 import os
 import pickle
+import sys
 from unittest import mock
 
 import pytest
@@ -110,7 +112,9 @@ def test_save_is_collective_only_where_saving_already_is(_, strategy_name, colle
     # a failing write raises the CheckpointError either way
     connector.trainer.strategy.save_checkpoint.side_effect = OSError(errno.ENOSPC, "No space left on device")
     connector.trainer.strategy.all_gather.side_effect = lambda t: torch.tensor([1, 0])
-    with mock.patch.object(connector, "dump_checkpoint", return_value={}), pytest.raises(CheckpointError, match="x.ckpt"):
+    with mock.patch.object(connector, "dump_checkpoint", return_value={}), pytest.raises(
+        CheckpointError, match="x.ckpt"
+    ):
         connector.save_checkpoint("x.ckpt")
 
 
@@ -177,8 +181,12 @@ class _FinalError(Exception):
         raise TypeError("cannot be subclassed")
 
 
+# ``ExceptionGroup`` is a builtin from Python 3.11; the fork supports 3.10 too.
 @pytest.mark.parametrize(
-    "original", [RuntimeError, Exception, CheckpointError, _FinalError, ExceptionGroup, KeyboardInterrupt]
+    "original",
+    [RuntimeError, Exception, CheckpointError, _FinalError]
+    + ([builtins.ExceptionGroup] if sys.version_info >= (3, 11) else [])
+    + [KeyboardInterrupt],
 )
 def test_checkpoint_error_type_falls_back_to_checkpoint_error(original):
     """Types that ``CheckpointError`` already is, that cannot be subclassed, that cannot be built from a message, or
@@ -188,7 +196,13 @@ def test_checkpoint_error_type_falls_back_to_checkpoint_error(original):
 
 @pytest.mark.parametrize(
     "module, qualname",
-    [("no_such_module", "Error"), ("builtins", "NoSuchError"), ("builtins", "len"), ("os", "path"), ("a", "<locals>.E")],
+    [
+        ("no_such_module", "Error"),
+        ("builtins", "NoSuchError"),
+        ("builtins", "len"),
+        ("os", "path"),
+        ("a", "<locals>.E"),
+    ],
 )
 def test_checkpoint_error_type_named_falls_back_to_checkpoint_error(module, qualname):
     assert _checkpoint_error_type_named(module, qualname) is CheckpointError

@@ -11,7 +11,6 @@ from fork_tools.materialize import PACKAGE, VERSION_FILE, fork_version, material
 from fork_tools.overlay import read_overlay
 from fork_tools.refresh import check, refresh
 from fork_tools.revision import read_revision
-from fork_tools.series import read_series
 from fork_tools.upstream import ENV_FIND_LINKS, ENV_WHEEL, ROOT, BuildError, Pin, fetch_wheel, read_pin
 from tests.fork.conftest import add_patch
 from tests.fork.synthetic import CHANGELOG_DIFF, MARKER, TARGET, synthetic_patch

@@ -1,5 +1,5 @@
-"""The imported ``pytorch_lightning`` was built from the current ``patches/``: a stale tree or install fails here, so the
-rest of the suite never passes against old code (``.ci/run`` relies on it)."""
+"""The imported ``pytorch_lightning`` was built from the current ``patches/``: a stale tree or install fails here, so
+the rest of the suite never passes against old code (``.ci/run`` relies on it)."""
 import pytorch_lightning
 from fork_tools.materialize import fork_version, inputs_digest
 from fork_tools.revision import read_revision

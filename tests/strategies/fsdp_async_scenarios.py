@@ -333,7 +333,8 @@ def _fixed_name_saves(args: argparse.Namespace, async_checkpoint: bool) -> Dict[
     model = _model()
     model.batches = 4
     trainer.fit(model)
-    result: Dict[str, Any] = {"async_group_left": getattr(trainer.strategy, "_async_checkpoint_group", None) is not None}
+    group_left = getattr(trainer.strategy, "_async_checkpoint_group", None) is not None
+    result: Dict[str, Any] = {"async_group_left": group_left}
     if trainer.is_global_zero:
         result.update(files=_saved_steps(folder), logged=logger.seen, tmp=_tmp_files(folder))
     return result

@@ -91,7 +91,8 @@ def checkpoint_contents(args: argparse.Namespace) -> Dict[str, Any]:
     }
     trainer.strategy.barrier()
     if trainer.global_rank == 0:
-        files: List[Path] = [args.out / "full.ckpt", args.out / "weights.ckpt", Path(checkpoint_callback.last_model_path)]
+        last = Path(checkpoint_callback.last_model_path)
+        files: List[Path] = [args.out / "full.ckpt", args.out / "weights.ckpt", last]
         result["files"] = {p.name: compare_file(p, full, model_kwargs) for p in files}
         top_k = sorted(Path(p).name for p in checkpoint_callback.best_k_models)
         result["top_k"] = top_k

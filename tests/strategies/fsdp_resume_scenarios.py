@@ -19,7 +19,6 @@ from fsdp_harness.models import FSDPModel, full_parameters
 from fsdp_harness.scenario import global_rank, main
 from pytorch_lightning import Callback, LightningModule, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 WIDTH = 8
 
@@ -126,7 +125,8 @@ class ResumeModel(FSDPModel):
         params = [p for p in self.parameters() if p.requires_grad]
         if self.reverse_params:
             params = params[::-1]
-        groups = [{"params": params[:1], "lr": self.lr / 2}, {"params": params[1:]}] if self.param_groups == 2 else params
+        two_groups = [{"params": params[:1], "lr": self.lr / 2}, {"params": params[1:]}]
+        groups = two_groups if self.param_groups == 2 else params
         optimizer_class = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.SGD
         extra = {} if self.optimizer_name == "adam" else {"momentum": 0.9}
         return optimizer_class(groups, lr=self.lr, **extra)

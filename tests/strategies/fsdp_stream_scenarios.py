@@ -6,7 +6,6 @@ and global rank 0 compares the two files entry by entry, every tensor and every 
 """
 import argparse
 import errno
-import os
 from typing import Any, Dict, List
 from unittest import mock
 
@@ -83,7 +82,8 @@ def differences(actual: Any, expected: Any, path: str = "") -> List[str]:
     if isinstance(expected, dict):
         if not isinstance(actual, dict) or list(actual) != list(expected):
             return [f"{path}: keys {list(actual) if isinstance(actual, dict) else type(actual)} != {list(expected)}"]
-        if type(actual) is not type(expected) or getattr(actual, "_metadata", None) != getattr(expected, "_metadata", None):
+        metadata_differs = getattr(actual, "_metadata", None) != getattr(expected, "_metadata", None)
+        if type(actual) is not type(expected) or metadata_differs:
             return [f"{path}: {type(actual).__name__} or its module versions differ"]
         return [d for k in expected for d in differences(actual[k], expected[k], f"{path}/{k}")]
     if isinstance(expected, (list, tuple)):

@@ -62,8 +62,9 @@ class TransformersModule(LightningModule):
     ``"body"`` only the body (``transformer`` or ``resnet``), which leaves the head outside FSDP: GPT-2's
     ``lm_head.weight`` then stays outside, a parameter apart from ``transformer.wte.weight``.
 
-    ``sync_batchnorm`` converts the BatchNorm layers to ``SyncBatchNorm`` before they are wrapped, as the README
-    shows (``Trainer(sync_batchnorm=True)`` converts after ``configure_sharded_model``, too late for FSDP).
+    ``sync_batchnorm`` converts the BatchNorm layers to ``SyncBatchNorm`` before they are wrapped, as
+    docs/fsdp-models.md shows (``Trainer(sync_batchnorm=True)`` converts after ``configure_sharded_model``, too late
+    for FSDP).
     """
 
     def __init__(self, kind: str, wrapping: str, sync_batchnorm: bool = False) -> None:

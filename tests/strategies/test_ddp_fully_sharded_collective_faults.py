@@ -33,14 +33,16 @@ WORLD_SIZE = 2
 def test_fault_in_per_unit_loop_raises_on_every_rank(tmp_path: Path, loop: str, fail_rank: int) -> None:
     # one outermost FSDP instance, so one re-shard; one memory check
     fail_on = "1" if loop in ("reshard", "state_dict_memory") else "2"
-    cause = "MemoryError: Gathering the checkpoint needs" if loop == "state_dict_memory" else "InjectedFault: injected fault"
+    memory = loop == "state_dict_memory"
+    cause = "MemoryError: Gathering the checkpoint needs" if memory else "InjectedFault: injected fault"
     result = run_module(
         SCENARIOS,
         [loop, "--out", str(tmp_path), "--fail-rank", str(fail_rank), "--fail-on", fail_on],
         timeout=240,
         grace=MAX_RAISE_SECONDS + 5,
     )
-    assert not result.timed_out, f"timed out after {result.seconds:.0f}s (a rank hung); output:\n{result.output[-6000:]}"
+    hung = f"timed out after {result.seconds:.0f}s (a rank hung)"
+    assert not result.timed_out, f"{hung}; output:\n{result.output[-6000:]}"
     assert result.returncode == 0, f"exit code {result.returncode}; output:\n{result.output[-6000:]}"
     results = read_results(tmp_path, WORLD_SIZE)
     assert results[fail_rank]["fault_raised_at"] == int(fail_on), results

@@ -24,7 +24,8 @@ ENV = {"PL_CHECKPOINT_TIMEOUT": "120"}
 
 def _run(tmp_path: Path, scenario: str, timeout: float = 300) -> List[Dict[str, Any]]:
     result = run_module(SCENARIOS, [scenario, "--out", str(tmp_path)], timeout=timeout, grace=30, env=ENV)
-    assert not result.timed_out, f"timed out after {result.seconds:.0f}s (a rank hung); output:\n{result.output[-6000:]}"
+    hung = f"timed out after {result.seconds:.0f}s (a rank hung)"
+    assert not result.timed_out, f"{hung}; output:\n{result.output[-6000:]}"
     assert result.returncode == 0, f"exit code {result.returncode}; output:\n{result.output[-6000:]}"
     return read_results(tmp_path, WORLD_SIZE)
 

@@ -223,7 +223,9 @@ def test_per_rank_optimizer_state_needs_the_same_world_size(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("optimizer", "build", "devices"), [("sgd", "sharded", 2), ("adam", "init", 2), ("adam", "sharded", 1)])
+@pytest.mark.parametrize(
+    ("optimizer", "build", "devices"), [("sgd", "sharded", 2), ("adam", "init", 2), ("adam", "sharded", 1)]
+)
 def test_exact_resume_with_parameters_outside_fsdp(tmp_path, optimizer, build, devices):
     """Trainable parameters outside FSDP (registered in ``__init__`` and in ``configure_sharded_model``) are
     replicated: their gradients are averaged before each step, so every rank holds the same values, and their

@@ -1,9 +1,9 @@
 """The multi-GPU body of ``test_ddp_fully_sharded_state_dict_on_rank_0_only.py`` on 2 CPU ranks over gloo.
 
-The exported test file may import only what upstream has, so its 2-CPU-rank run lives here: this module is both
-the test and the scenario script it starts (``python -m tests.strategies.test_ddp_fully_sharded_state_dict_on_rank_0_only_cpu
-run --out DIR --wrapping wrap``), running the same body with ``accelerator="cpu"`` and the CPU FSDP harness
-strategy (``fsdp_harness/cpu_fsdp.py``). Its harness imports are the three lines below.
+The exported test file may import only what upstream has, so its 2-CPU-rank run lives here: this module is both the test
+and the scenario script it starts (``python -m tests.strategies.test_ddp_fully_sharded_state_dict_on_rank_0_only_cpu run
+--out DIR --wrapping wrap``), running the same body with ``accelerator="cpu"`` and the CPU FSDP harness strategy
+(``fsdp_harness/cpu_fsdp.py``). Its harness imports are the three lines below.
 """
 import argparse
 from typing import Any, Dict

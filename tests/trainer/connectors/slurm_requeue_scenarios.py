@@ -5,8 +5,8 @@ task as ``srun`` starts a job step (``tests/helpers/fake_slurm.py``), with a fak
 Slurm signals every task of a job at the same moment (``--signal=USR1@<seconds>`` before the time limit). Here global
 rank 0 does so from inside a backward pass, once every task is inside it too: from a gradient hook on the output of
 the model's first block, which runs after the later blocks' backward (FairScale's post-backward hooks) and before the
-first's; it signals the other task, then itself. A wrapper around Lightning's handler records where each task was when the handler ran. Cases, one after
-the other in the same two processes, each in its own folder:
+first's; it signals the other task, then itself. A wrapper around Lightning's handler records where each task was
+when the handler ran. Cases, one after the other in the same two processes, each in its own folder:
 
 - ``fsdp-stream``: ``DDPFullyShardedStrategy`` (synchronous streamed save), signalled in the second batch; then a fit
   in the same folder, which resumes from the HPC checkpoint as a requeued job does, signalled in its first batch
