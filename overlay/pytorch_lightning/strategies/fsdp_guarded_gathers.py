@@ -90,7 +90,7 @@ def _group_argument(name: str, args: Tuple, kwargs: Dict[str, Any]) -> Any:
         return kwargs["group"]
     try:
         return _collective_signature(name).bind_partial(*args, **kwargs).arguments.get("group")
-    except TypeError:  # the collective itself will reject these arguments
+    except (TypeError, ValueError, AttributeError):  # arguments the collective rejects, or one torch lacks
         return None
 
 
@@ -226,6 +226,8 @@ def _check_fairscale_interposable(fsdp_module: Any = None, version: Optional[str
         MisconfigurationException: naming the FairScale version and everything it lacks.
     """
     if fsdp_module is None:
+        if not _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
+            return  # the strategy refuses to run without FairScale already
         import fairscale.nn.data_parallel.fully_sharded_data_parallel as fsdp_module
     problems = _fairscale_interposer_problems(fsdp_module)
     if problems:
