@@ -7,7 +7,7 @@ from fork_tools import export, materialize, refresh, revision
 from fork_tools.upstream import ROOT, BuildError
 
 
-def main(argv=None) -> int:
+def command_line_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fork_tools", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -15,7 +15,7 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="discard edits that were never refreshed into a patch")
 
     sub.add_parser(
-        "check", help="verify that pytorch_lightning/ equals upstream + patches/series + overlay/, and the mixins"
+        "check", help="verify that pytorch_lightning/ equals upstream + patches/series + overlay/, and the overrides"
     )
     sub.add_parser("bump", help="raise the fork revision (patches/revision) after editing a patch by hand")
 
@@ -39,22 +39,29 @@ def main(argv=None) -> int:
         "--upstream", type=Path, help="checkout of upstream at tag 1.6.5: run `git apply --check` of the output there"
     )
     p.add_argument("-o", "--output", type=Path, required=True)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def run_check() -> int:
+    """Print every problem of the tree and the revision, or that there is none; the exit status."""
+    problems = refresh.check(ROOT)
+    if revision.stale_revision():
+        problems.append("patches/revision: the series changed since the last bump; run 'python -m fork_tools bump'")
+    for line in problems:
+        print(line)
+    if problems:
+        return 1
+    print("pytorch_lightning/ equals upstream + patches/series + overlay/; every @override has a target")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = command_line_parser().parse_args(argv)
     try:
         if args.command == "materialize":
             print(materialize.materialize(force=args.force))
         elif args.command == "check":
-            problems = refresh.check(ROOT)
-            if revision.stale_revision():
-                problems.append(
-                    "patches/revision: the series changed since the last bump; run 'python -m fork_tools bump'"
-                )
-            for line in problems:
-                print(line)
-            if problems:
-                return 1
-            print("pytorch_lightning/ equals upstream + patches/series + overlay/; the mixins fit their hosts")
+            return run_check()
         elif args.command == "bump":
             print(f"fork revision {revision.bump_revision()}")
         elif args.command == "refresh":

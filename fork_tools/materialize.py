@@ -91,7 +91,7 @@ def read_tree(root: Path) -> Tree:
     return tree
 
 
-def _read_stamp(root: Path) -> Optional[Dict]:
+def read_stamp(root: Path) -> Optional[Dict]:
     try:
         return json.loads((root / PACKAGE / STAMP).read_text())
     except (OSError, ValueError):
@@ -100,7 +100,7 @@ def _read_stamp(root: Path) -> Optional[Dict]:
 
 def local_edits(root: Path = ROOT) -> List[str]:
     """Files of an existing tree that differ from what its stamp says the build wrote."""
-    stamp = _read_stamp(root)
+    stamp = read_stamp(root)
     if stamp is None:
         return []
     on_disk = {path: _digest(text) for path, text in read_tree(root).items()}
@@ -162,7 +162,7 @@ def materialize(
         version += "." + ".".join(groups)
     overlay = for_series(read_overlay(overlay_dir), [patch.name for patch in patches], patch_dir)
     inputs = inputs_digest(pin, patches, patch_dir, overlay)
-    stamp = _read_stamp(root)
+    stamp = read_stamp(root)
     if stamp is not None and not force:
         edits = local_edits(root)
         if stamp.get("inputs") == inputs:
@@ -171,8 +171,8 @@ def materialize(
             shown = "\n  ".join(edits[:10])
             raise BuildError(
                 f"{root / PACKAGE} has edits not recorded in {patch_dir.name}/ and the series changed:\n  {shown}\n"
-                "Run 'python -m fork_tools refresh <patch>' to keep them, or 'python -m fork_tools materialize "
-                "--force' to discard them."
+                "They were made on a tree built from other inputs, so refresh refuses them too: copy them out, run "
+                "'python -m fork_tools materialize --force' and make them again on the new tree."
             )
     tree = pristine_tree(pin)
     apply_series(tree, patches)

@@ -1,4 +1,4 @@
-"""The overlay layout: fork modules under overlay/, checked against the hosts they are mixed into; refresh writes
+"""The overlay layout: fork modules under overlay/, their overrides checked for a target; refresh writes
 module edits back and re-applies later patches by exact context.
 
 Every build here is synthetic: a small series over the pinned wheel, diffed by fork_tools itself (no hand-written
@@ -7,7 +7,7 @@ line numbers), with its own overlay directory, all under tmp_path.
 import re
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 
@@ -205,7 +205,7 @@ def test_check_reports_override_of_nothing(fork):
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"overlay/{MIXIN}:")
     assert "SyntheticMixin.synthetic_not_upstream is marked @override" in problems[0]
-    assert "DDPFullyShardedStrategy's MRO (DDPStrategy, ParallelStrategy, Strategy)" in problems[0]
+    assert "the MRO of SyntheticMixin, DDPFullyShardedStrategy (DDPStrategy, ParallelStrategy, Strategy)" in problems[0]
 
 
 def test_check_reports_an_overridden_upstream_symbol_that_is_gone(fork):
@@ -220,26 +220,37 @@ def test_check_reports_an_overridden_upstream_symbol_that_is_gone(fork):
     assert "DDPFullyShardedStrategy" in problems[0] and "renamed or removed upstream" in problems[0]
 
 
-def test_check_reports_a_mixin_method_shadowed_by_its_host(fork):
-    # DDPFullyShardedStrategy's own body defines model_to_device, so the mixin's never runs.
-    body = GOOD_BODY + "\n\n    @override\n    def model_to_device(self) -> None:\n        pass"
-    problems = with_mixin(fork, body)
-    assert len(problems) == 1, problems
-    assert "SyntheticMixin.model_to_device never runs in DDPFullyShardedStrategy" in problems[0]
-    assert f"DDPFullyShardedStrategy ({HOST}:" in problems[0]
+def test_check_reports_overrides_without_target_whatever_class_holds_them(fork):
+    """Not only a base class that a hook mixes in: a class of the overlay deriving from an upstream class, and a
+    method that a patch adds to an upstream class, are checked the same way."""
+    own_class = (
+        "\n\nfrom pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO\n\n\n"
+        "class SyntheticCheckpointIO(TorchCheckpointIO):\n"
+        "    @override\n    def remove_checkpoint(self, path) -> None:\n        pass\n\n"
+        "    @override\n    def synthetic_renamed_upstream(self, path) -> None:\n        pass"
+    )
+    method = "    def model_to_device(self) -> None:\n"
+    added = "    @override\n    def synthetic_gone(self) -> None:\n        pass\n\n"
+    adds = (LATER, replace(HOST, method, added + method))
+    problems = with_mixin(fork, GOOD_BODY + own_class, fork.steps + [adds])
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"{HOST}:") and "DDPFullyShardedStrategy.synthetic_gone is marked" in problems[0]
+    assert problems[1].startswith(f"overlay/{MIXIN}:")
+    assert "SyntheticCheckpointIO.synthetic_renamed_upstream is marked @override" in problems[1]
+    assert "(TorchCheckpointIO, CheckpointIO) defines synthetic_renamed_upstream" in problems[1]
 
 
-def test_check_reports_a_mixin_method_shadowed_by_an_earlier_mixin(fork):
+def test_check_reports_an_undecorated_override_between_two_overlay_classes(fork):
     earlier = "\n\nclass EarlierMixin:\n    def synthetic_hook(self) -> int:\n        return 0"
     body = GOOD_BODY + "\n\n    def synthetic_hook(self) -> int:\n        return 1" + earlier
     steps = [fork.steps[0], (HOOK, hook("EarlierMixin, SyntheticMixin, DDPStrategy", "EarlierMixin, SyntheticMixin"))]
     problems = with_mixin(fork, body, steps)
-    # EarlierMixin.synthetic_hook overrides SyntheticMixin's without @override, and hides it.
-    assert len(problems) == 2, problems
-    assert "EarlierMixin.synthetic_hook overrides SyntheticMixin.synthetic_hook" in problems[0]
-    assert "SyntheticMixin.synthetic_hook never runs in DDPFullyShardedStrategy: EarlierMixin" in problems[1]
+    # EarlierMixin.synthetic_hook overrides SyntheticMixin's, only in their host's MRO, without @override.
+    assert len(problems) == 1, problems
+    expected = "EarlierMixin.synthetic_hook overrides SyntheticMixin.synthetic_hook in the MRO of EarlierMixin, "
+    assert expected in problems[0], problems
 
-    # Cooperative overriding (through super()) is fine.
+    # Decorated, the override has its target.
     cooperative = earlier.replace("    def", "    @override\n    def")
     cooperative = cooperative.replace("return 0", "return super().synthetic_hook()")
     assert with_mixin(fork, body.replace(earlier, cooperative)) == []
@@ -248,7 +259,8 @@ def test_check_reports_a_mixin_method_shadowed_by_an_earlier_mixin(fork):
 def test_check_reports_an_override_without_the_decorator(fork):
     problems = with_mixin(fork, GOOD_BODY + "\n\n    def barrier(self, name=None) -> None:\n        pass")
     assert len(problems) == 1, problems
-    assert "SyntheticMixin.barrier overrides DDPStrategy.barrier in DDPFullyShardedStrategy's MRO" in problems[0]
+    expected = "SyntheticMixin.barrier overrides DDPStrategy.barrier in the MRO of SyntheticMixin, DDPFullyShardedStr"
+    assert expected in problems[0], problems
 
 
 # --- application by exact context ---------------------------------------------------------------------------------
@@ -357,6 +369,37 @@ def test_refresh_writes_overlay_edits_back(fork):
     host.write_text(host.read_text() + "# stray\n")
     with pytest.raises(BuildError, match="belong in a patch: name it"):
         fork.refresh()
+
+
+def _files(*folders: Path) -> Dict[str, bytes]:
+    return {str(path): path.read_bytes() for folder in folders for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def _break_the_overlay(fork) -> None:
+    write_module(fork.overlay, "pytorch_lightning/strategies/synthetic_new.py", f"# fork-feature: {HOOK}\nNEW = (\n")
+
+
+def _break_a_patch(fork) -> None:
+    hook_patch = fork.patch_dir / HOOK
+    hook_patch.write_text(hook_patch.read_text().replace(f" {IMPORT_LINE}", f" {IMPORT_LINE.strip()}  # drifted\n"))
+
+
+@pytest.mark.parametrize(
+    ("breaks", "build_error"), [(_break_the_overlay, "does not parse"), (_break_a_patch, "does not apply")]
+)
+def test_refresh_refuses_a_tree_left_stale_by_a_failed_build(fork, breaks, build_error):
+    """A failed ``materialize`` leaves the previous tree in place. Taking that tree for edits, refresh would write its
+    old copy of an edited module back to overlay/ and delete a module that is new in overlay/."""
+    fork.build()
+    write_module(fork.overlay, MIXIN, MIXIN_SOURCE.format(body=GOOD_BODY + "\n    # edited in overlay/"))
+    breaks(fork)
+    with pytest.raises(BuildError, match=build_error):
+        fork.build()
+    inputs = _files(fork.overlay, fork.patch_dir)
+    with pytest.raises(BuildError, match="was built from other inputs than patches/ and overlay/ hold now") as err:
+        fork.refresh()
+    assert "run 'python -m fork_tools materialize'" in str(err.value)
+    assert _files(fork.overlay, fork.patch_dir) == inputs
 
 
 # --- export -------------------------------------------------------------------------------------------------------

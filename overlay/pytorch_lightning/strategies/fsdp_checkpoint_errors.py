@@ -12,7 +12,11 @@ import torch
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
-from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives, _reset_interrupted_gathers
+from pytorch_lightning.strategies.fsdp_guarded_gathers import (
+    _agreeing_fairscale_collectives,
+    _check_fairscale_interposable,
+    _reset_interrupted_gathers,
+)
 from pytorch_lightning.utilities.checkpoint_errors import (
     _all_gather_objects,
     _catching_state_dict_hooks,
@@ -41,6 +45,7 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
     """Methods of ``DDPFullyShardedStrategy`` that keep the ranks together when a checkpoint step fails on one."""
 
     def _setup_checkpoint_process_group(self) -> None:
+        _check_fairscale_interposable()  # at setup, not in the middle of the first save
         group = getattr(self, "_checkpoint_process_group", None)
         if group is not None:
             # a later stage (every rank gets here, and every rank has a group): replace the group where a failed

@@ -1,21 +1,22 @@
-"""Static checks of the overlay's mixins against the upstream classes they are mixed into (``check`` runs them).
+"""Static check that the fork's overrides of upstream methods still have a target (``check`` runs it).
 
-Upstream classes get the fork's methods through mixin base classes defined in overlay modules, e.g.
-``class DDPFullyShardedStrategy(FSDPStreamingSaveMixin, DDPStrategy)``. Python resolves such methods by the MRO,
-so two kinds of drift pass silently at import time and only show when the code runs, if at all:
+The fork's classes override upstream methods (a strategy method, a connector method), whether they are base classes
+mixed into an upstream class by a hook, classes of their own deriving from an upstream class, or methods a patch adds
+to an upstream class. Python resolves such methods by the MRO, so drift passes silently at import time: a method
+marked ``@override`` whose name no later class in the MRO defines any more (upstream renamed or removed it, e.g.
+``Strategy.optimizer_state``) is never called by upstream. So every ``@override`` method of the tree must have a
+target, and an overlay class's method that overrides one without the decorator is reported too (it would escape the
+first check).
 
-- a mixin method marked ``@override`` overrides nothing: no class after the mixin in the host's MRO defines the
-  name (upstream renamed or removed it, e.g. ``Strategy.optimizer_state``), so upstream never calls it;
-- a mixin method is shadowed: the host's own body, or a class before the mixin in its MRO, defines the same name
-  without calling ``super()``, so the mixin's method never runs.
+A class's methods may override in its own MRO and in the MRO of every tree class deriving from it (a base class with
+no upstream base of its own overrides only in its hosts); the check looks in all of them, whichever classes exist.
+That a hook's other touch points (imports, call sites) still exist is checked by applying the patches by exact
+context; that no overlay module shadows an upstream file, by ``overlay.overlay_problems``.
 
-An undecorated mixin method that overrides a later class's is reported too (it lacks ``@override``).
-
-This reads the materialised tree with ``ast`` and imports nothing: a host's base names are resolved through its
-module's imports (``from X import Y``, ``import X``) to classes defined in tree files, and the MRO is C3's (left to
-right depth first, last occurrence kept, should C3 fail). A class from outside the tree (``ABC``,
-``torch.nn.Module``) ends the walk: it is not looked into. Hosts are the tree's classes whose direct bases include
-a class defined in an overlay module; every overlay class in a host's MRO is checked as a mixin.
+This reads the materialised tree with ``ast`` and imports nothing: base names are resolved through their module's
+imports (``from X import Y``, ``import X``) to classes defined in tree files, and the MRO is C3's (left to right
+depth first, last occurrence kept, should C3 fail). A class from outside the tree (``ABC``, ``torch.nn.Module``)
+ends the walk: it is not looked into.
 """
 import ast
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -58,18 +59,6 @@ def _is_override(func: ast.stmt) -> bool:
         if isinstance(decorator, ast.Attribute) and decorator.attr == "override":
             return True
     return False
-
-
-def _calls_super(node: ast.stmt, name: str) -> bool:
-    """Whether a definition reaches the next class's ``name`` through ``super().name``."""
-    return any(
-        isinstance(sub, ast.Attribute)
-        and sub.attr == name
-        and isinstance(sub.value, ast.Call)
-        and isinstance(sub.value.func, ast.Name)
-        and sub.value.func.id == "super"
-        for sub in ast.walk(node)
-    )
 
 
 class _Module:
@@ -194,69 +183,66 @@ def _depth_first(parents: List[List[str]]) -> List[str]:
     return [key for i, key in enumerate(flat) if key not in flat[i + 1 :]]
 
 
-def mixin_problems(tree: Tree, overlay_paths: Set[str], shown: Callable[[str], str] = str) -> List[str]:
-    """Mixin drift in ``tree`` (see the module docstring), one line each; ``shown`` maps a tree path to how a
-    message names it (the overlay modules' own paths under ``overlay/``)."""
+def override_problems(tree: Tree, overlay_paths: Set[str], shown: Callable[[str], str] = str) -> List[str]:
+    """Overrides without a target in ``tree`` (see the module docstring), one line each; ``overlay_paths`` are the
+    overlay modules' tree paths, and ``shown`` maps a tree path to how a message names it."""
     index = ClassIndex(tree)
-    mixin_modules = {module_name(p) for p in overlay_paths if p.endswith(".py")}
-    mixins = {f"{m}.{name}" for m in mixin_modules if index.module(m) for name in index.module(m).classes}
-    if not mixins:
-        return []
-    names = {key.rpartition(".")[2] for key in mixins}
+    overlay_modules = {module_name(p) for p in overlay_paths if p.endswith(".py")}
     problems: List[str] = []
-    for module in sorted(index.sources):
-        path, text = index.sources[module]
-        if not any(name in text for name in names):
-            continue  # a module that never names a mixin cannot host one
-        mod = index.module(module)
-        for host in sorted(mod.classes) if mod else []:
-            key = f"{module}.{host}"
-            if set(index.bases(key)) & mixins:
-                problems += _host_problems(index, key, mixins, shown)
+    for key in _classes_with_overrides(index, overlay_modules):
+        problems += _class_problems(index, key, key.rpartition(".")[0] in overlay_modules, shown)
     return problems
 
 
-def _where(index: ClassIndex, key: str, node: ast.AST, shown: Callable[[str], str]) -> str:
-    return f"{shown(index.path(key))}:{node.lineno}"
+def _methods(node: ast.ClassDef) -> List[ast.stmt]:
+    return [stmt for stmt in node.body if isinstance(stmt, _FUNCTIONS)]
 
 
-def _host_problems(index: ClassIndex, host: str, mixins: Set[str], shown: Callable[[str], str]) -> List[str]:
-    mro = index.mro(host)
-    host_name = host.rpartition(".")[2]
+def _classes_with_overrides(index: "ClassIndex", overlay_modules: Set[str]) -> Iterator[str]:
+    """The keys of the overlay modules' classes and of the other tree classes with an ``@override`` method."""
+    for module in sorted(index.sources):
+        in_overlay = module in overlay_modules
+        mod = index.module(module) if in_overlay or "override" in index.sources[module][1] else None
+        for name, node in sorted(mod.classes.items()) if mod else []:
+            if in_overlay or any(_is_override(method) for method in _methods(node)):
+                yield f"{module}.{name}"
+
+
+def _mros_through(index: "ClassIndex", key: str) -> List[List[str]]:
+    """The MRO of class ``key`` and those of the tree classes deriving from it: where its methods override."""
+    name = key.rpartition(".")[2]
+    mros = [index.mro(key)]
+    for module in sorted(index.sources):
+        mod = index.module(module) if name in index.sources[module][1] else None
+        for other in sorted(mod.classes) if mod else []:
+            mro = index.mro(f"{module}.{other}")
+            if mro[0] != key and key in mro:
+                mros.append(mro)
+    return mros
+
+
+def _class_problems(index: "ClassIndex", key: str, in_overlay: bool, shown: Callable[[str], str]) -> List[str]:
+    mros = _mros_through(index, key)
+    later = list(dict.fromkeys(k for mro in mros for k in mro[mro.index(key) + 1 :] if index.node(k) is not None))
+    defs = {k: _defines(index.node(k)) for k in later}
+    methods = _methods(index.node(key))
+    # A property's setter repeats its name; the name counts as decorated if any of its definitions is.
+    decorated = {m.name for m in methods if _is_override(m)}
+    first: Dict[str, ast.stmt] = {}
+    for method in methods:
+        first.setdefault(method.name, method)
+    class_name, hosts = key.rpartition(".")[2], ", ".join(mro[0].rpartition(".")[2] for mro in mros)
     problems = []
-    for position, mixin in enumerate(mro):
-        if mixin not in mixins:
-            continue
-        mixin_name = mixin.rpartition(".")[2]
-        before = [key for key in mro[:position] if index.node(key) is not None]
-        after = [key for key in mro[position + 1 :] if index.node(key) is not None]
-        defs = {key: _defines(index.node(key)) for key in before + after}
-        methods = [stmt for stmt in index.node(mixin).body if isinstance(stmt, _FUNCTIONS)]
-        # A property's setter repeats its name; the name counts as decorated if any of its definitions is.
-        decorated = {m.name for m in methods if _is_override(m)}
-        first: Dict[str, ast.stmt] = {}
-        for method in methods:
-            first.setdefault(method.name, method)
-        for method in first.values():
-            name, at = method.name, _where(index, mixin, method, shown)
-            overridden = [key for key in after if name in defs[key]]
-            shadows = [key for key in before if name in defs[key] and not _calls_super(defs[key][name], name)]
-            if name in decorated and not overridden and not (name.startswith("__") and hasattr(object, name)):
-                searched = ", ".join(key.rpartition(".")[2] for key in after) or "no class of the tree"
-                problems.append(
-                    f"{at}: {mixin_name}.{name} is marked @override, but no class after it in {host_name}'s MRO "
-                    f"({searched}) defines {name}: renamed or removed upstream?"
-                )
-            if name not in decorated and overridden:
-                problems.append(
-                    f"{at}: {mixin_name}.{name} overrides {overridden[0].rpartition('.')[2]}.{name} in "
-                    f"{host_name}'s MRO but is not marked @override"
-                )
-            if shadows:
-                first = shadows[0]
-                problems.append(
-                    f"{at}: {mixin_name}.{name} never runs in {host_name}: {first.rpartition('.')[2]} "
-                    f"({_where(index, first, defs[first][name], shown)}) defines {name} before it in the MRO "
-                    f"without calling super().{name}"
-                )
+    for name, method in first.items():
+        at = f"{shown(index.path(key))}:{method.lineno}: {class_name}.{name}"
+        overridden = [k for k in later if name in defs[k]]
+        if name in decorated and not overridden and not (name.startswith("__") and hasattr(object, name)):
+            searched = ", ".join(k.rpartition(".")[2] for k in later) or "no class of the tree"
+            problems.append(
+                f"{at} is marked @override, but no class after it in the MRO of {hosts} ({searched}) defines {name}:"
+                " renamed or removed upstream?"
+            )
+        elif in_overlay and name not in decorated and overridden:
+            target = overridden[0].rpartition(".")[2]
+            problems.append(f"{at} overrides {target}.{name} in the MRO of {hosts} but is not marked @override")
     return problems
