@@ -66,12 +66,20 @@ class ScenarioBatch:
         devices: ranks of every case (a batch cannot mix world sizes: they are the same processes).
         timeout: seconds for the whole batch, after which every rank is killed.
         env: extra environment of the ranks, the same for every case.
+        grace: see :func:`~fsdp_harness.multiprocess.run_module`.
     """
 
     def __init__(
-        self, module: str, root: Path, devices: int = 2, timeout: float = 540, env: Optional[Dict[str, str]] = None
+        self,
+        module: str,
+        root: Path,
+        devices: int = 2,
+        timeout: float = 540,
+        env: Optional[Dict[str, str]] = None,
+        grace: float = 15,
     ) -> None:
         self.module, self.root, self.devices, self.timeout, self.env = module, root, devices, timeout, env
+        self.grace = grace
         self._cases: Dict[str, List[str]] = {}
         self._first: Optional[str] = None
         self._failing: Optional[str] = None
@@ -114,7 +122,7 @@ class ScenarioBatch:
             cases = self.root / "batch.json"
             cases.write_text(json.dumps(self._ordered(), indent=1))
             self._result = run_module(
-                self.module, [BATCH, "--cases", str(cases)], timeout=self.timeout, grace=15, env=self.env
+                self.module, [BATCH, "--cases", str(cases)], timeout=self.timeout, grace=self.grace, env=self.env
             )
         return self._result
 
@@ -128,9 +136,10 @@ class ScenarioBatch:
         if any((out / f"rank{rank}.error").exists() for rank in range(self.devices)):
             return read_results(out, self.devices)  # fails naming the case's own error
         failed = next((c for c in self._cases if list(self.folder(c).glob("rank*.error"))), None)
+        why = f"case {failed!r} raised before it" if failed else "it or a case before it hung or crashed"
         how = f"timed out after {result.seconds:.0f}s" if result.timed_out else f"exit code {result.returncode}"
-        why = f"case {failed!r} failed before it" if failed else "no case raised"
-        raise AssertionError(f"case {case!r} did not run ({why}; {how}); output:\n{result.output[-8000:]}")
+        raise AssertionError(f"case {case!r}: a rank wrote no result ({why}; the launch {how}); output:\n"
+                             f"{result.output[-8000:]}")
 
     def failure(self, case: str) -> ScriptResult:
         """The launch, for the batch's failing case (see :meth:`add`), after checking that it is the case that

@@ -34,6 +34,7 @@ def global_rank() -> int:
 
 
 BATCH = "batch"
+_in_batch = False
 
 
 def main(scenarios: Dict[str, Scenario], add_arguments: Callable[[argparse.ArgumentParser], None] = None) -> None:
@@ -45,6 +46,8 @@ def main(scenarios: Dict[str, Scenario], add_arguments: Callable[[argparse.Argum
         add_arguments(parser)
     argv = sys.argv[1:]
     if argv[:1] == [BATCH]:
+        global _in_batch
+        _in_batch = True
         batch = argparse.ArgumentParser()
         batch.add_argument("--cases", type=Path, required=True, help="JSON list of the command lines to run")
         for case_argv in json.loads(batch.parse_args(argv[1:]).cases.read_text()):
@@ -63,6 +66,19 @@ def _run(scenarios: Dict[str, Scenario], args: argparse.Namespace) -> None:
         (args.out / f"rank{global_rank()}.error").write_text(traceback.format_exc())
         raise
     (args.out / f"rank{global_rank()}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+
+
+def end_process_groups() -> None:
+    """For a scenario that tears the process groups down while every rank is still in it (see
+    ``fsdp_collective_fault_scenarios``): all ranks meet, then the groups are destroyed, except in a batch, whose
+    next scenario goes on in the same group (a new default group on the same store would meet stale addresses), and
+    which :func:`main` shuts down after its last scenario."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        if not _in_batch:
+            dist.destroy_process_group()
 
 
 def _shut_down_process_group() -> None:

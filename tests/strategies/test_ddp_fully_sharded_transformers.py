@@ -13,8 +13,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import run_scenario
 from tests.helpers.runif import RunIf
 from tests.strategies.test_ddp_fully_sharded_resume import assert_same
 
@@ -24,12 +23,10 @@ DEVICES = 2
 
 def run_cases(out: Path, model: str, *args: str, timeout: float = 540) -> Dict[str, List[Dict[str, Any]]]:
     """Run every case of ``model`` in one pair of processes; return each case's records, one per rank."""
-    result = run_module(
-        SCENARIOS, ["cases", "--out", str(out), "--devices", str(DEVICES), "--model", model, *args],
-        timeout=timeout, env={"HF_HUB_OFFLINE": "1"},
+    records = run_scenario(
+        SCENARIOS, "cases", out, "--model", model, *args, devices=DEVICES, timeout=timeout, env={"HF_HUB_OFFLINE": "1"}
     )
-    assert_success(result)
-    cases = read_results(out, DEVICES)[0]["cases"]
+    cases = records[0]["cases"]
     return {
         case: [
             torch.load(out / f"{case}.rank{rank}.pt", map_location="cpu", weights_only=False) for rank in range(DEVICES)
