@@ -7,7 +7,9 @@
 * :class:`ScenarioBatch` runs many scenarios of one module in ONE launch of the ranks (``<module> batch``): starting
   the ranks and importing torch and Lightning take most of a small scenario's time, and the suite has a time budget.
   A test module fills one batch in a module-scoped fixture, and each test item reads its own cases, so every case is
-  still its own reported test and a failure names the case.
+  still its own reported test and a failure names the case. Mark the tests that read one batch with the same
+  ``pytest.mark.xdist_group``: with ``--dist loadgroup`` (``pyproject.toml``) one xdist worker runs them all, so the
+  batch launches once, and their ``pytest.mark.timeout`` covers the whole batch (the first of them launches it).
 """
 import json
 from pathlib import Path
