@@ -7,9 +7,9 @@
 * :class:`ScenarioBatch` runs many scenarios of one module in ONE launch of the ranks (``<module> batch``): starting
   the ranks and importing torch and Lightning take most of a small scenario's time, and the suite has a time budget.
   A test module fills one batch in a module-scoped fixture, and each test item reads its own cases, so every case is
-  still its own reported test and a failure names the case. Mark the tests that read one batch with the same
-  ``pytest.mark.xdist_group``: with ``--dist loadgroup`` (``pyproject.toml``) one xdist worker runs them all, so the
-  batch launches once, and their ``pytest.mark.timeout`` covers the whole batch (the first of them launches it).
+  still its own reported test and a failure names the case. Under xdist, ``--dist loadfile`` (``pyproject.toml``)
+  runs a module's tests on one worker, so the batch launches once; the ``pytest.mark.timeout`` of every test that
+  reads it covers the whole batch (the first of them launches it).
 """
 import json
 from pathlib import Path

@@ -35,7 +35,6 @@ def async_resume_runs(tmp_path_factory):
     return batches
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(RESUME_TIMEOUT)
 @pytest.mark.parametrize(("optimizer", "devices"), EXACT)
 def test_exact_resume_from_async_checkpoints(async_resume_runs, optimizer, devices):

@@ -41,7 +41,6 @@ def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> ScenarioBatch:
     return batch
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("loop, fail_rank", CASES)
 def test_fault_in_per_unit_loop_raises_on_every_rank(fault_runs: ScenarioBatch, loop: str, fail_rank: int) -> None:

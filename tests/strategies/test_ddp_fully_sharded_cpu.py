@@ -9,7 +9,7 @@ from fsdp_harness.runner import ScenarioBatch
 SCENARIOS = "tests.strategies.fsdp_cpu_scenarios"
 CONTENTS = [("on", "wrap"), ("on", "auto_wrap"), ("off", "wrap")]
 BATCH_TIMEOUT = 360
-pytestmark = [pytest.mark.xdist_group(__name__), pytest.mark.timeout(BATCH_TIMEOUT + 60)]
+pytestmark = pytest.mark.timeout(BATCH_TIMEOUT + 60)
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,6 @@ def _check_case(results: List[Dict[str, Any]], index: int, action: str) -> float
     return max(case["seconds"] for case in cases)
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("path", ["streamed", "gathered", "load"])
 def test_failure_inside_fairscale_gather_raises_on_every_rank(gather_runs: ScenarioBatch, path: str) -> None:
@@ -79,7 +78,6 @@ def test_failure_inside_fairscale_gather_raises_on_every_rank(gather_runs: Scena
     print(f"failure inside FairScale's gather, {path}: {len(cases)} cases, worst time to raise {worst:.3f}s")
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 def test_failure_outside_the_loops_meets_them(gather_runs: ScenarioBatch) -> None:
     """A callback's ``state_dict`` raises on one rank between the model's gather and the optimizer state's: the
@@ -90,7 +88,6 @@ def test_failure_outside_the_loops_meets_them(gather_runs: ScenarioBatch) -> Non
     print(f"failure outside the loops: 2 cases, worst time to raise {worst:.3f}s")
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 def test_allocation_failures_around_optimizer_state_gathers(gather_runs: ScenarioBatch) -> None:
     """Rank 0's receive buffers, and a rank's move of its state after which the device stays out of memory:

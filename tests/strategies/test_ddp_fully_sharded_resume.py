@@ -24,7 +24,6 @@ BATCHES = {
 }
 # a test that reads ``resume_runs`` may be the one that launches every batch
 BATCHES_TIMEOUT = sum(timeout for _, timeout, _ in BATCHES.values()) + 60
-pytestmark = pytest.mark.xdist_group(__name__)  # one worker runs the module, so the batches launch once
 
 
 def batch_name(devices: int, after_two: bool = False) -> str:

@@ -38,7 +38,6 @@ def cpu_runs(tmp_path_factory) -> ScenarioBatch:
     return batch
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("wrapping", WRAPPINGS)
 def test_fully_sharded_state_dict_on_rank_0_only_cpu(cpu_runs, wrapping):

@@ -35,7 +35,6 @@ def stream_runs(tmp_path_factory) -> ScenarioBatches:
     return batches
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCHES_TIMEOUT)
 @pytest.mark.parametrize(("model", "wrapping", "optimizer", "devices"), EQUALS)
 def test_streamed_checkpoint_equals_gathered_checkpoint(stream_runs, model, wrapping, optimizer, devices):
@@ -49,7 +48,6 @@ def test_streamed_checkpoint_equals_gathered_checkpoint(stream_runs, model, wrap
     assert rank0["temporary_files"] == []
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCHES_TIMEOUT)
 def test_hook_that_reads_the_state_gets_a_gathered_save(stream_runs):
     """``on_save_checkpoint`` sees the values, as before: an overridden hook makes the save gathered, and says so."""
@@ -84,7 +82,6 @@ def test_state_dict_customisations_are_found():
     assert _custom_state_dict_methods([BoringModel()]) == []
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCHES_TIMEOUT)
 def test_failure_while_streaming_keeps_the_previous_checkpoint(stream_runs):
     """Rank 0 running out of disk space while writing the file's structure or its units, or rank 1 failing its part

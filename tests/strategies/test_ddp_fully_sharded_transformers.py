@@ -109,7 +109,6 @@ def transformers_runs(tmp_path_factory) -> ScenarioBatch:
     return batch
 
 
-@pytest.mark.xdist_group(__name__)
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("model", sorted(WRAPPINGS))
 def test_transformers_models_save_and_resume_exactly(transformers_runs, model):
