@@ -3,10 +3,16 @@
 A script calls :func:`main` with its scenarios; each scenario runs on every rank (Lightning's launcher re-runs the
 same command line for ranks >= 1) and returns a JSON-able dict, which is written to ``<out>/rank<N>.json``. The
 driving test reads the files back with :func:`read_results`, so a rank that died or hung shows up as missing.
+
+``python -m <module> batch --cases FILE`` runs many scenarios, one after the other, in the same processes (every
+rank reads the same list): the launch of the ranks and the imports, most of a small scenario's time, are paid once.
+``FILE`` is a JSON list of command lines, each the arguments of one plain run (``<scenario> --out ...``). The batch
+stops at the first scenario that raises. Tests build batches with :class:`fsdp_harness.runner.ScenarioBatch`.
 """
 import argparse
 import json
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -27,6 +33,10 @@ def global_rank() -> int:
     )
 
 
+BATCH = "batch"
+_in_batch = False
+
+
 def main(scenarios: Dict[str, Scenario], add_arguments: Callable[[argparse.ArgumentParser], None] = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=sorted(scenarios))
@@ -34,16 +44,41 @@ def main(scenarios: Dict[str, Scenario], add_arguments: Callable[[argparse.Argum
     parser.add_argument("--devices", type=int, default=2)
     if add_arguments:
         add_arguments(parser)
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    if argv[:1] == [BATCH]:
+        global _in_batch
+        _in_batch = True
+        batch = argparse.ArgumentParser()
+        batch.add_argument("--cases", type=Path, required=True, help="JSON list of the command lines to run")
+        for case_argv in json.loads(batch.parse_args(argv[1:]).cases.read_text()):
+            _run(scenarios, parser.parse_args(case_argv))
+    else:
+        _run(scenarios, parser.parse_args(argv))
+    _shut_down_process_group()
+
+
+def _run(scenarios: Dict[str, Scenario], args: argparse.Namespace) -> None:
+    """Run one scenario on this rank; its result goes to ``rank<N>.json``, an exception to ``rank<N>.error``."""
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         result = scenarios[args.scenario](args)
     except BaseException:
         (args.out / f"rank{global_rank()}.error").write_text(traceback.format_exc())
         raise
-    rank = global_rank()
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-    _shut_down_process_group()
+    (args.out / f"rank{global_rank()}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+
+
+def end_process_groups() -> None:
+    """For a scenario that tears the process groups down while every rank is still in it (see
+    ``fsdp_collective_fault_scenarios``): all ranks meet, then the groups are destroyed, except in a batch, whose
+    next scenario goes on in the same group (a new default group on the same store would meet stale addresses), and
+    which :func:`main` shuts down after its last scenario."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        if not _in_batch:
+            dist.destroy_process_group()
 
 
 def _shut_down_process_group() -> None:

@@ -5,17 +5,14 @@ import sys
 import pytest
 import torch
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import run_scenario
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 @pytest.mark.skipif("mmap" not in inspect.signature(torch.load).parameters, reason="torch.load(mmap=True)")
 def test_ddp_resume_shares_memory_mapped_checkpoint(tmp_path):
-    result = run_module("tests.checkpointing.resume_scenarios", ["ddp_resume", "--out", str(tmp_path)], timeout=240)
-    assert_success(result)
-    ranks = read_results(tmp_path, 2)
+    ranks = run_scenario("tests.checkpointing.resume_scenarios", "ddp_resume", tmp_path, timeout=240)
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         assert r["global_step"] == 5

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import quiet_trainer_kwargs, read_results
+from fsdp_harness.runner import run_scenario
+from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
@@ -266,9 +266,7 @@ def test_malicious_checkpoint_on_two_ranks(tmp_path):
     """Resuming FSDP on 2 CPU ranks from the malicious file: no rank runs the payload, every rank raises within
     60 s, naming the global, and so do ``cloud_io.load`` and ``TorchCheckpointIO``; the good file still resumes in
     the same processes."""
-    args = ["refuse_then_resume", "--out", str(tmp_path)]
-    assert_success(run_module("tests.checkpointing.safe_load_scenarios", args, timeout=240))
-    ranks = read_results(tmp_path, 2)
+    ranks = run_scenario("tests.checkpointing.safe_load_scenarios", "refuse_then_resume", tmp_path, timeout=240)
     assert not (tmp_path / "PAYLOAD_RAN").exists(), "a rank ran the payload"
     for rank in ranks:
         assert rank["raised"] and rank["raised"].startswith("CheckpointError"), rank

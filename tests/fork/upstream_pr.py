@@ -49,6 +49,7 @@ HARNESS = [
     "fsdp_harness/__init__.py",
     "fsdp_harness/cpu_fsdp.py",
     "fsdp_harness/multiprocess.py",
+    "fsdp_harness/runner.py",
     "fsdp_harness/scenario.py",
     CPU_TEST_FILE,
 ]

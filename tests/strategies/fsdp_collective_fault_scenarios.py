@@ -19,10 +19,12 @@ the seconds from the start of the faulty save or load (after a barrier) to the r
 the previous checkpoint before and after. Driven by ``test_ddp_fully_sharded_collective_faults.py``.
 """
 import argparse
+import contextlib
 import hashlib
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict
+from unittest import mock
 
 import torch
 
@@ -30,7 +32,7 @@ import pytorch_lightning.strategies.fsdp_optimizer_state as fsdp_optimizer_state
 import pytorch_lightning.utilities.host_memory as host_memory
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
-from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
+from fsdp_harness.scenario import end_process_groups, global_rank, main, quiet_trainer_kwargs
 from pytorch_lightning import Trainer, seed_everything
 from tests.helpers.fake_proc import FakeProc
 
@@ -196,6 +198,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-on", type=int, default=2, help="which per-unit call fails (1-based)")
 
 
+def _patched_attributes() -> Any:
+    """What the scenarios replace for their faults: restored after each, so that the next scenario of a batch
+    (``fsdp_harness.runner.ScenarioBatch``) starts from the real ones."""
+    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+    from fairscale.nn.misc import FlattenParamsWrapper
+
+    stack = contextlib.ExitStack()
+    for owner, name in (
+        (fsdp_module, "_post_state_dict_hook"),
+        (FlattenParamsWrapper, "get_param_views"),
+        (fsdp_optimizer_state, "_optimizer_state_to_gather_device"),
+        (fsdp_optimizer_state, "_shard_optimizer_state"),
+        (host_memory, "PROC_ROOT"),
+        (torch.Tensor, "copy_"),
+    ):
+        stack.enter_context(mock.patch.object(owner, name, getattr(owner, name)))
+    return stack
+
+
 if __name__ == "__main__":
     scenarios = {}
     for loop, run in (
@@ -208,12 +229,11 @@ if __name__ == "__main__":
 
         def scenario(args: argparse.Namespace, loop: str = loop, run: Callable = run) -> Dict[str, Any]:
             args.loop = loop
-            result = run(args)
+            with _patched_attributes():
+                result = run(args)
             # tear the process groups (the default one and the checkpoint group) down while every rank is here: left
             # to the interpreter's exit, gloo once aborted a rank ("terminate called without an active exception")
-            if torch.distributed.is_initialized():
-                torch.distributed.barrier()
-                torch.distributed.destroy_process_group()
+            end_process_groups()
             return result
 
         scenarios[loop] = scenario

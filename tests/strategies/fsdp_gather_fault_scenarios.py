@@ -31,13 +31,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, Generator, Optional, Tuple
+from unittest import mock
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel, full_parameters
-from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
+from fsdp_harness.scenario import end_process_groups, global_rank, main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import compare_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
@@ -378,13 +379,23 @@ def outside_loop(args: argparse.Namespace) -> Dict[str, Any]:
     return {"rank": trainer.global_rank, "before": before, "cases": cases, "trains": _trains(model)}
 
 
+def _patched_attributes() -> contextlib.ExitStack:
+    """What the scenarios replace for their faults: restored after each, so that the next scenario of a batch
+    (``fsdp_harness.runner.ScenarioBatch``) starts from the real ones."""
+    stack = contextlib.ExitStack()
+    owners = [(FullyShardedDataParallel, "_rebuild_full_params"), (torch.distributed, "new_group"), (os, "pwrite"),
+              (_StreamedCheckpointFile, "write_skeleton")]
+    for owner, name in owners + [(owner, name) for name, owner in OutOfMemoryFrom.ALLOCATIONS.items()]:
+        stack.enter_context(mock.patch.object(owner, name, getattr(owner, name)))
+    return stack
+
+
 def _teardown(run: Callable[[argparse.Namespace], Dict[str, Any]]) -> Callable[[argparse.Namespace], Dict[str, Any]]:
     def scenario(args: argparse.Namespace) -> Dict[str, Any]:
-        result = run(args)
+        with _patched_attributes():
+            result = run(args)
         # tear the process groups down while every rank is here (see ``fsdp_collective_fault_scenarios``)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+        end_process_groups()
         return result
 
     return scenario

@@ -1,37 +1,55 @@
 """``DDPFullyShardedStrategy(async_checkpoint=True)``: streamed checkpoints written in the background."""
 import pytest
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import launch, run_scenario
 from pytorch_lightning.utilities.host_memory import format_bytes
 from tests.helpers.fake_proc import FakeProc
 from tests.helpers.runif import RunIf
 from tests.strategies.fsdp_async_scenarios import HOST_MEMORY_UNITS, HOST_MEMORY_WIDTH
-from tests.strategies.test_ddp_fully_sharded_resume import check_exact_resume
+from tests.strategies.test_ddp_fully_sharded_resume import check_exact_resume, new_batches, plan_exact_resume
+
+EXACT = [("adam", 2), ("sgd", 1)]
+# a test that reads ``async_resume_runs`` may be the one that launches its batches (``new_batches``)
+RESUME_TIMEOUT = 720
 
 
-def check_exact_resume_from_async_checkpoints(tmp_path, optimizer, *extra, devices=2, atol=0.0):
-    check_exact_resume(tmp_path, optimizer, "--layout", "async", *extra, devices=devices, atol=atol)
+def plan_exact_resume_from_async_checkpoints(batches, case, optimizer, *extra, devices=2):
+    plan_exact_resume(batches, case, optimizer, "--layout", "async", *extra, devices=devices)
+
+
+def check_exact_resume_from_async_checkpoints(batches, case, devices=2, atol=0.0):
+    check_exact_resume(batches, case, devices=devices, atol=atol)
     for run in ("straight", "resumed"):
-        results = read_results(tmp_path / run, devices)
+        results = batches.results(f"{case}/{run}")
         assert [r["synchronous_reason"] for r in results] == [None] * devices
         # ModelCheckpoint's saves, one per epoch, were written in the background (the resumed run: the second)
         assert [r["background_saves"] for r in results] == [2 if run == "straight" else 1] * devices, results
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize(("optimizer", "devices"), [("adam", 2), ("sgd", 1)])
-def test_exact_resume_from_async_checkpoints(tmp_path, optimizer, devices):
+@pytest.fixture(scope="module")
+def async_resume_runs(tmp_path_factory):
+    """Both cases of ``test_exact_resume_from_async_checkpoints``: one launch per world size."""
+    batches = new_batches(tmp_path_factory.mktemp("async_resume"))
+    for optimizer, devices in EXACT:
+        plan_exact_resume_from_async_checkpoints(batches, f"{optimizer}-{devices}", optimizer, devices=devices)
+    return batches
+
+
+@pytest.mark.timeout(RESUME_TIMEOUT)
+@pytest.mark.parametrize(("optimizer", "devices"), EXACT)
+def test_exact_resume_from_async_checkpoints(async_resume_runs, optimizer, devices):
     """ModelCheckpoint saves every epoch in the background while training goes on; resuming from the checkpoint of
     the first epoch gives the uninterrupted run's parameters, optimizer state and final checkpoint exactly."""
-    check_exact_resume_from_async_checkpoints(tmp_path, optimizer, devices=devices)
+    check_exact_resume_from_async_checkpoints(async_resume_runs, f"{optimizer}-{devices}", devices=devices)
 
 
 @RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
 @pytest.mark.timeout(600)
 def test_exact_resume_from_async_checkpoints_multi_gpu(tmp_path):
     """The body of ``test_exact_resume_from_async_checkpoints[adam-2]`` on GPUs: pinned host copies, CUDA events."""
-    check_exact_resume_from_async_checkpoints(tmp_path, "adam", "--accelerator", "gpu", atol=1e-6)
+    batches = new_batches(tmp_path)
+    plan_exact_resume_from_async_checkpoints(batches, "gpu", "adam", "--accelerator", "gpu")
+    check_exact_resume_from_async_checkpoints(batches, "gpu", atol=1e-6)
 
 
 SCENARIOS = "tests.strategies.fsdp_async_scenarios"
@@ -39,8 +57,11 @@ MAX_RAISE_SECONDS = 60
 
 
 def _run(tmp_path, scenario, *args, timeout=300, env=None):
-    result = run_module(SCENARIOS, [scenario, "--out", str(tmp_path), *args], timeout=timeout, grace=30, env=env)
-    return result
+    return launch(SCENARIOS, scenario, tmp_path, *args, timeout=timeout, grace=30, env=env)
+
+
+def _results(tmp_path, scenario, *args, timeout=300, env=None):
+    return run_scenario(SCENARIOS, scenario, tmp_path, *args, timeout=timeout, grace=30, env=env)
 
 
 @pytest.mark.timeout(360)
@@ -48,8 +69,7 @@ def test_background_failures_raise_on_every_rank(tmp_path):
     """Rank 0's disk fills up in the background (found by the next save, and by ``wait_for_checkpoint``), and rank 1
     fails while it sends its shard: every rank raises ``CheckpointError``, the previous file is intact, no temporary
     file is left, and the next save succeeds."""
-    assert_success(_run(tmp_path, "failures", env={"PL_CHECKPOINT_TIMEOUT": "10"}))
-    results = read_results(tmp_path, 2)
+    results = _results(tmp_path, "failures", env={"PL_CHECKPOINT_TIMEOUT": "10"})
     # the save returned while its file was still being written
     assert all(r["good"]["in_flight"] for r in results), results
     for index, (case, found_by) in enumerate(
@@ -88,8 +108,7 @@ def test_kill_during_background_write_keeps_previous_file(tmp_path):
     assert (tmp_path / "tmp_before_kill.txt").read_text(), "the writer thread had not started"
     debris = sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
     assert debris, "the killed writer left no temporary file"
-    assert_success(_run(tmp_path, "cleanup"))
-    zero = read_results(tmp_path, 2)[0]
+    zero = _results(tmp_path, "cleanup")[0]
     assert zero["before"] == before and zero["loads"], zero
     assert zero["tmp"] == [] and zero["equal"], zero
 
@@ -101,8 +120,7 @@ def test_model_checkpoint_never_leaves_no_complete_checkpoint(tmp_path, ordering
     checkpoint is on disk, and ``best_model_path``/``last_model_path`` name committed files when ``fit`` returns.
     With the replaced file removed at once, as ``ModelCheckpoint`` asks (``broken``), the folder has moments without
     a complete top-k checkpoint, which the check sees."""
-    assert_success(_run(tmp_path, "model_checkpoint", *(["--broken-ordering"] if ordering == "broken" else [])))
-    results = read_results(tmp_path, 2)
+    results = _results(tmp_path, "model_checkpoint", *(["--broken-ordering"] if ordering == "broken" else []))
     zero = results[0]
     assert zero["listings"] > 100, zero
     assert zero["fewest"] == {"all": 1, "top_k": 1 if ordering == "deferred" else 0}, zero
@@ -123,8 +141,7 @@ def test_background_save_lifecycle(tmp_path):
     - ``SIGINT`` on every rank mid-save, in a step and while waiting for the save: ``fit`` returns with the save
       committed, the file it replaced removed and the background group destroyed.
     """
-    assert_success(_run(tmp_path, "lifecycle", timeout=240, env={"PL_CHECKPOINT_TIMEOUT": "20"}))
-    results = read_results(tmp_path, 2)
+    results = _results(tmp_path, "lifecycle", timeout=240, env={"PL_CHECKPOINT_TIMEOUT": "20"})
     zero = results[0]
     expected = {"fixed.ckpt": 1, "fixed-v1.ckpt": 2, "fixed-v2.ckpt": 3, "fixed-v3.ckpt": 4}
     assert zero["sync"]["files"] == expected, zero["sync"]
@@ -166,8 +183,7 @@ def test_host_copies_that_do_not_fit_are_saved_synchronously(tmp_path):
     fake = FakeProc(tmp_path / "fake")
     headrooms = [3 * size, 4 * size, size]
     args = ["--proc", str(tmp_path / "fake"), "--headrooms", *map(str, headrooms)]
-    assert_success(_run(tmp_path, "host_memory", *args))
-    zero, one = read_results(tmp_path, 2)
+    zero, one = _results(tmp_path, "host_memory", *args)
     for result in (zero, one):
         assert [save["background"] for save in result["saves"]] == [False, True, True], result
     assert [save["warnings"] for save in one["saves"]] == [[], [], []]

@@ -13,8 +13,7 @@
 """
 import pytest
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import run_scenario
 from tests.helpers.fake_proc import FakeProc
 from tests.strategies.fsdp_checkpoint_group_scenarios import ARRIVAL_SECONDS
 
@@ -26,9 +25,7 @@ def test_host_memory_check_and_per_rank_optimizer_states(tmp_path):
     fake = FakeProc(tmp_path / "fake")
     fake.set_mem_available(2**40)  # the host has plenty: only the job's cgroup limit is tight
     out = tmp_path / "out"
-    args = ["host_memory", "--out", str(out), "--proc", str(tmp_path / "fake")]
-    assert_success(run_module(SCENARIOS, args, timeout=300))
-    results = read_results(out, 2)
+    results = run_scenario(SCENARIOS, "host_memory", out, "--proc", tmp_path / "fake", timeout=300)
     for rank, result in enumerate(results):
         # rank 0 needs S for the state dict and 2 S for Adam's consolidated state
         assert result["gathered-2S"] is not None and "failed on global rank 0" in result["gathered-2S"], result
@@ -55,8 +52,7 @@ def test_host_memory_check_and_per_rank_optimizer_states(tmp_path):
 def test_checkpoint_group_that_cannot_be_created(tmp_path):
     # short, so that global rank 0 gives up waiting for global rank 1's gloo address quickly
     env = {"PL_CHECKPOINT_TIMEOUT": "5"}
-    assert_success(run_module(SCENARIOS, ["gloo_group_fails", "--out", str(tmp_path)], timeout=240, env=env))
-    results = read_results(tmp_path, 2)
+    results = run_scenario(SCENARIOS, "gloo_group_fails", tmp_path, timeout=240, env=env)
     for rank, result in enumerate(results):
         raised = result["raised"]
         assert raised is not None and raised.startswith("MisconfigurationException"), result
@@ -74,8 +70,7 @@ def test_checkpoint_group_that_cannot_be_created(tmp_path):
 @pytest.mark.timeout(300)
 def test_save_called_on_global_rank_0_alone(tmp_path):
     env = {"PL_CHECKPOINT_ARRIVAL_TIMEOUT": str(ARRIVAL_SECONDS), "PL_CHECKPOINT_TIMEOUT": "30"}
-    assert_success(run_module(SCENARIOS, ["arrival", "--out", str(tmp_path)], timeout=240, env=env))
-    zero, one = read_results(tmp_path, 2)
+    zero, one = run_scenario(SCENARIOS, "arrival", tmp_path, timeout=240, env=env)
     # global rank 1 began the save half the bound after global rank 0: it is saved
     for result in (zero, one):
         assert result["late"]["raised"] is None and result["late"]["group"] == "ProcessGroup", result

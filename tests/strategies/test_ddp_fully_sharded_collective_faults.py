@@ -6,46 +6,48 @@ within seconds, and a failed save leaves the previous checkpoint byte-identical.
 Runs ``tests/strategies/fsdp_collective_fault_scenarios.py`` on 2 CPU ranks (see fsdp_harness/cpu_fsdp.py); each
 test prints ``collective fault <loop> on rank <R>: time-to-raise ...`` (run pytest with ``-s`` to see it).
 Without the fix, the other rank waits in the next collective of the loop until the process group times out (here:
-``run_module`` kills the ranks) or fails with an unrelated gloo error.
+``run_module`` kills the ranks) or fails with an unrelated gloo error. Every case runs in one launch (``fault_runs``):
+the scenarios destroy the process groups and undo their patches after each case.
 """
-from pathlib import Path
-
 import pytest
 
-from fsdp_harness.multiprocess import run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import ScenarioBatch
 
 SCENARIOS = "tests.strategies.fsdp_collective_fault_scenarios"
 MAX_RAISE_SECONDS = 60
 WORLD_SIZE = 2
+CASES = [
+    (loop, rank)
+    for loop in ("state_dict", "optimizer", "load", "reshard")
+    for rank in (0, 1)
+]
+# with ``state_dict_on_rank_0_only`` only global rank 0 needs host memory for the state dict
+CASES += [("state_dict_memory", 0)]
+# every case in one launch, so a hang of one of them (killed at the batch's timeout) fails all of them
+BATCH_TIMEOUT = 420
 
 
-@pytest.mark.parametrize(
-    "loop, fail_rank",
-    [
-        (loop, rank)
-        for loop in ("state_dict", "optimizer", "load", "reshard")
-        for rank in (0, 1)
-    ]
-    # with ``state_dict_on_rank_0_only`` only global rank 0 needs host memory for the state dict
-    + [("state_dict_memory", 0)],
-)
-def test_fault_in_per_unit_loop_raises_on_every_rank(tmp_path: Path, loop: str, fail_rank: int) -> None:
+def fail_on(loop: str) -> str:
     # one outermost FSDP instance, so one re-shard; one memory check
-    fail_on = "1" if loop in ("reshard", "state_dict_memory") else "2"
+    return "1" if loop in ("reshard", "state_dict_memory") else "2"
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> ScenarioBatch:
+    root = tmp_path_factory.mktemp("collective_faults")
+    batch = ScenarioBatch(SCENARIOS, root, timeout=BATCH_TIMEOUT, grace=MAX_RAISE_SECONDS + 5)
+    for loop, fail_rank in CASES:
+        batch.add(f"{loop}-{fail_rank}", loop, "--fail-rank", fail_rank, "--fail-on", fail_on(loop))
+    return batch
+
+
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+@pytest.mark.parametrize("loop, fail_rank", CASES)
+def test_fault_in_per_unit_loop_raises_on_every_rank(fault_runs: ScenarioBatch, loop: str, fail_rank: int) -> None:
     memory = loop == "state_dict_memory"
     cause = "MemoryError: Gathering the checkpoint needs" if memory else "InjectedFault: injected fault"
-    result = run_module(
-        SCENARIOS,
-        [loop, "--out", str(tmp_path), "--fail-rank", str(fail_rank), "--fail-on", fail_on],
-        timeout=240,
-        grace=MAX_RAISE_SECONDS + 5,
-    )
-    hung = f"timed out after {result.seconds:.0f}s (a rank hung)"
-    assert not result.timed_out, f"{hung}; output:\n{result.output[-6000:]}"
-    assert result.returncode == 0, f"exit code {result.returncode}; output:\n{result.output[-6000:]}"
-    results = read_results(tmp_path, WORLD_SIZE)
-    assert results[fail_rank]["fault_raised_at"] == int(fail_on), results
+    results = fault_runs.results(f"{loop}-{fail_rank}")
+    assert results[fail_rank]["fault_raised_at"] == int(fail_on(loop)), results
     times = []
     for rank, outcome in enumerate(results):
         assert outcome["raised"], f"rank {rank} did not raise: {outcome}"

@@ -1,21 +1,29 @@
-"""DDPFullyShardedStrategy with real FairScale FSDP on 2 CPU processes (see fsdp_harness/cpu_fsdp.py)."""
+"""DDPFullyShardedStrategy with real FairScale FSDP on 2 CPU processes (see fsdp_harness/cpu_fsdp.py).
+
+Every test's scenario runs in one launch (``cpu_runs``); each test checks its own case.
+"""
 import pytest
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import ScenarioBatch
 
 SCENARIOS = "tests.strategies.fsdp_cpu_scenarios"
+CONTENTS = [("on", "wrap"), ("on", "auto_wrap"), ("off", "wrap")]
+BATCH_TIMEOUT = 360
+pytestmark = pytest.mark.timeout(BATCH_TIMEOUT + 60)
 
 
-def run_scenario(name, tmp_path, *args, timeout=180):
-    result = run_module(SCENARIOS, [name, "--out", str(tmp_path), *args], timeout=timeout)
-    assert_success(result)
-    return read_results(tmp_path, 2)
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory) -> ScenarioBatch:
+    batch = ScenarioBatch(SCENARIOS, tmp_path_factory.mktemp("cpu"), timeout=BATCH_TIMEOUT)
+    batch.add("fit_and_save", "fit_and_save")
+    for rank0_only, wrapping in CONTENTS:
+        batch.add(f"contents-{rank0_only}-{wrapping}", "checkpoint_contents", "--rank0-only", rank0_only,
+                  "--wrapping", wrapping)
+    return batch
 
 
-@pytest.mark.timeout(240)
-def test_fit_nested_wrap_and_save_full_checkpoint(tmp_path):
-    rank0, rank1 = run_scenario("fit_and_save", tmp_path)
+def test_fit_nested_wrap_and_save_full_checkpoint(cpu_runs):
+    rank0, rank1 = cpu_runs.results("fit_and_save")
     # Each rank holds half of the flat parameters, yet the file has every full tensor, equal to the gathered ones.
     assert rank0["local_numel"] * 2 == rank0["full_numel"]
     assert rank0["file_keys"] == rank0["full_param_keys"] == rank1["full_param_keys"]
@@ -23,12 +31,9 @@ def test_fit_nested_wrap_and_save_full_checkpoint(tmp_path):
     assert rank0["mismatched"] == []
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "rank0_only, wrapping", [("on", "wrap"), ("on", "auto_wrap"), ("off", "wrap")], ids=["on-wrap", "on-auto", "off"]
-)
-def test_checkpoint_contents(tmp_path, rank0_only, wrapping):
-    rank0, rank1 = run_scenario("checkpoint_contents", tmp_path, "--rank0-only", rank0_only, "--wrapping", wrapping)
+@pytest.mark.parametrize("rank0_only, wrapping", CONTENTS, ids=["on-wrap", "on-auto", "off"])
+def test_checkpoint_contents(cpu_runs, rank0_only, wrapping):
+    rank0, rank1 = cpu_runs.results(f"contents-{rank0_only}-{wrapping}")
     expected_keys = rank0["full_keys"]
     # non-FSDP parameters registered before ("before") and after ("after") the FSDP stack are part of it
     assert {"before", "after"} <= set(expected_keys)

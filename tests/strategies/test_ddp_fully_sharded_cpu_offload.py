@@ -11,17 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import ScenarioBatches
 from tests.helpers.runif import RunIf
-from tests.strategies.test_ddp_fully_sharded_resume import check_exact_resume
+from tests.strategies.test_ddp_fully_sharded_resume import check_exact_resume, new_batches, plan_exact_resume
 
 OFFLOAD = ("--layout", "offload")
 
 
-def check_offload(tmp_path: Path, *extra: str, atol: float = 0.0) -> None:
-    check_exact_resume(tmp_path, "adam", *OFFLOAD, *extra, atol=atol)
+def check_offload(tmp_path: Path, *extra: str, atol: float = 0.0) -> ScenarioBatches:
+    """The straight and the resumed run in one launch; returns their batches (case ``offload``)."""
+    batches = new_batches(tmp_path)
+    plan_exact_resume(batches, "offload", "adam", *OFFLOAD, *extra)
+    check_exact_resume(batches, "offload", atol=atol)
     for run in ("straight", "resumed"):
-        for rank, result in enumerate(read_results(tmp_path / run, 2)):
+        for rank, result in enumerate(batches.results(f"offload/{run}")):
             where = result["placement"]
             assert where["cpu_offload"] and all(where["cpu_offload"]), where
             # FairScale's offload: the FSDP shards on the CPU
@@ -31,13 +34,14 @@ def check_offload(tmp_path: Path, *extra: str, atol: float = 0.0) -> None:
             assert result["syncs"] > 0 and result["sync_devices"] == [where["root"]], result
             if "--accelerator" in extra:
                 assert where["root"] == f"cuda:{rank}", where
+    return batches
 
 
 @pytest.mark.timeout(420)
 def test_cpu_offload_with_parameters_outside_fsdp_resumes_exactly(tmp_path):
-    check_offload(tmp_path)
+    resumed = check_offload(tmp_path).folder("offload/resumed")
     # the replicated parameters were trained, and are the same on every rank
-    states = [torch.load(tmp_path / "resumed" / f"rank{r}.pt", weights_only=False)["params"] for r in range(2)]
+    states = [torch.load(resumed / f"rank{r}.pt", weights_only=False)["params"] for r in range(2)]
     assert all(torch.equal(states[0][name], states[1][name]) for name in ("before", "after", "shift"))
     assert not torch.equal(states[0]["before"], torch.linspace(-1, 1, 8))
 

@@ -16,7 +16,8 @@ from typing import Dict, List
 import pytest
 
 from fsdp_harness.corrupt_checkpoint import make_bad_checkpoint
-from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
+from fsdp_harness.multiprocess import ScriptResult
+from fsdp_harness.runner import launch, run_scenario
 from pytorch_lightning.utilities.cloud_io import atomic_save
 
 SCENARIOS = "tests.strategies.fsdp_fault_scenarios"
@@ -26,7 +27,7 @@ WORLD_SIZE = 2
 
 
 def run_faulty(name: str, out: Path, *args: str, timeout: float = 180) -> ScriptResult:
-    result = run_module(SCENARIOS, [name, "--out", str(out), *args], timeout=timeout, grace=GRACE)
+    result = launch(SCENARIOS, name, out, *args, timeout=timeout, grace=GRACE)
     assert not result.timed_out, f"timed out after {result.seconds:.0f}s; output:\n{result.output[-8000:]}"
     return result
 
@@ -126,7 +127,7 @@ def test_failed_model_checkpoint_save_during_fit(tmp_path, fail_on):
 def good_checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("good")
     ckpt = out / "good.ckpt"
-    assert_success(run_module(SCENARIOS, ["save_good", "--out", str(out), "--ckpt", str(ckpt)], timeout=180))
+    run_scenario(SCENARIOS, "save_good", out, "--ckpt", ckpt, timeout=180)
     return ckpt
 
 

@@ -11,8 +11,7 @@ import json
 
 import pytest
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import launch, run_scenario
 from pytorch_lightning.utilities.atomic_save import _writer_host_id
 from tests.helpers import flock_faults
 
@@ -22,7 +21,7 @@ SCENARIOS = "tests.strategies.fsdp_flock_scenarios"
 @pytest.mark.timeout(420)
 def test_killed_mid_save_then_restarted_job(tmp_path):
     # the job runs where flock behaves as on NFS (an exclusive lock needs a descriptor open for writing)
-    killed = run_module(SCENARIOS, ["killed_mid_save", "--flock", "nfs", "--out", str(tmp_path)], timeout=180)
+    killed = launch(SCENARIOS, "killed_mid_save", tmp_path, "--flock", "nfs", timeout=180)
     assert not killed.timed_out, killed.output[-6000:]
     assert killed.returncode == -9, f"rank 0 was not killed:\n{killed.output[-6000:]}"
     facts = json.loads((tmp_path / "facts.json").read_text())
@@ -31,9 +30,7 @@ def test_killed_mid_save_then_restarted_job(tmp_path):
     assert len(debris) == 1 and debris[0].startswith(f"last.ckpt.{_writer_host_id()}.{facts['pid']}."), debris
     assert (ckpts / "last.ckpt").read_bytes().hex()[:64] == facts["last"]  # the previous checkpoint is intact
 
-    restarted = run_module(SCENARIOS, ["restarted", "--flock", "nfs", "--out", str(tmp_path)], timeout=240)
-    assert_success(restarted)
-    results = read_results(tmp_path, 2)
+    results = run_scenario(SCENARIOS, "restarted", tmp_path, "--flock", "nfs", timeout=240)
     rank0 = results[0]
     assert rank0["before_resume"] == debris
     assert rank0["at_resume"] == [], "loading the checkpoint did not remove the killed save's temporary file"

@@ -13,21 +13,29 @@ from typing import Any, Dict, List
 
 import pytest
 
-from fsdp_harness.multiprocess import run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import ScenarioBatch, run_scenario
 
 SCENARIOS = "tests.strategies.fsdp_gather_fault_scenarios"
 MAX_RAISE_SECONDS = 60
 WORLD_SIZE = 2
 ENV = {"PL_CHECKPOINT_TIMEOUT": "120"}
+# the scenarios of ``gather_runs``; ``slow_write`` runs alone, as FairScale caches the FSDP process group that it
+# creates with a 5 s timeout, which a batch would share with the other scenarios
+BATCHED = ["streamed", "gathered", "load", "outside_loop", "allocations"]
+BATCH_TIMEOUT = 540
+
+
+@pytest.fixture(scope="module")
+def gather_runs(tmp_path_factory: pytest.TempPathFactory) -> ScenarioBatch:
+    root = tmp_path_factory.mktemp("gather_faults")
+    batch = ScenarioBatch(SCENARIOS, root, WORLD_SIZE, timeout=BATCH_TIMEOUT, env=ENV, grace=30)
+    for scenario in BATCHED:
+        batch.add(scenario, scenario)
+    return batch
 
 
 def _run(tmp_path: Path, scenario: str, timeout: float = 300) -> List[Dict[str, Any]]:
-    result = run_module(SCENARIOS, [scenario, "--out", str(tmp_path)], timeout=timeout, grace=30, env=ENV)
-    hung = f"timed out after {result.seconds:.0f}s (a rank hung)"
-    assert not result.timed_out, f"{hung}; output:\n{result.output[-6000:]}"
-    assert result.returncode == 0, f"exit code {result.returncode}; output:\n{result.output[-6000:]}"
-    return read_results(tmp_path, WORLD_SIZE)
+    return run_scenario(SCENARIOS, scenario, tmp_path, devices=WORLD_SIZE, timeout=timeout, grace=30, env=ENV)
 
 
 def _check_case(results: List[Dict[str, Any]], index: int, action: str) -> float:
@@ -54,11 +62,11 @@ def _check_case(results: List[Dict[str, Any]], index: int, action: str) -> float
     return max(case["seconds"] for case in cases)
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("path", ["streamed", "gathered", "load"])
-def test_failure_inside_fairscale_gather_raises_on_every_rank(tmp_path: Path, path: str) -> None:
+def test_failure_inside_fairscale_gather_raises_on_every_rank(gather_runs: ScenarioBatch, path: str) -> None:
     """``_rebuild_full_params`` raises ``MemoryError`` on rank 0 and on rank 1, at the first, middle and last unit."""
-    results = _run(tmp_path, path)
+    results = gather_runs.results(path)
     action = "Loading the model state from the checkpoint" if path == "load" else "Saving the checkpoint"
     cases = results[0]["cases"]
     assert [(c["fail_rank"], c["position"]) for c in cases] == [
@@ -70,21 +78,21 @@ def test_failure_inside_fairscale_gather_raises_on_every_rank(tmp_path: Path, pa
     print(f"failure inside FairScale's gather, {path}: {len(cases)} cases, worst time to raise {worst:.3f}s")
 
 
-@pytest.mark.timeout(300)
-def test_failure_outside_the_loops_meets_them(tmp_path: Path) -> None:
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+def test_failure_outside_the_loops_meets_them(gather_runs: ScenarioBatch) -> None:
     """A callback's ``state_dict`` raises on one rank between the model's gather and the optimizer state's: the
     other ranks' next agreement meets the failing rank's final exchange, and every rank raises."""
-    results = _run(tmp_path, "outside_loop")
+    results = gather_runs.results("outside_loop")
     worst = max(_check_case(results, index, "Saving the checkpoint") for index in range(2))
     assert all(result["trains"] for result in results), results
     print(f"failure outside the loops: 2 cases, worst time to raise {worst:.3f}s")
 
 
-@pytest.mark.timeout(360)
-def test_allocation_failures_around_optimizer_state_gathers(tmp_path: Path) -> None:
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+def test_allocation_failures_around_optimizer_state_gathers(gather_runs: ScenarioBatch) -> None:
     """Rank 0's receive buffers, and a rank's move of its state after which the device stays out of memory:
     gathered and streamed, with and without ``cpu_offload``. After the OOM the failing rank allocates nothing."""
-    results = _run(tmp_path, "allocations")
+    results = gather_runs.results("allocations")
     cases = results[0]["cases"]
     assert {(c["trigger"], c["fail_rank"], c["layout"]) for c in cases} >= {
         ("empty_like", 0, "plain"),

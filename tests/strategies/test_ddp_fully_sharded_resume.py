@@ -2,25 +2,39 @@
 for another world size, and checkpoints of upstream 1.6.5's format (scenarios in ``fsdp_resume_scenarios.py``).
 
 Every scenario runs real FairScale FSDP on CPU processes over gloo (see ``fsdp_harness/cpu_fsdp.py``); the model
-creates and wraps its layers in ``configure_sharded_model``.
+creates and wraps its layers in ``configure_sharded_model``. The CPU tests' scenarios run in three launches
+(``resume_runs``: 1 rank, 2 ranks, then 1 rank again for the files saved on 2); each test checks its own cases.
 """
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict
 
 import pytest
 import torch
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import ScenarioBatches, selected_tests
 from tests.helpers.runif import RunIf
 
 SCENARIOS = "tests.strategies.fsdp_resume_scenarios"
+# the batches of ``resume_runs``, in launch order: world size, timeout and the ranks' extra environment. glibc returns
+# freed large blocks to the OS, for ``test_consolidation_memory_on_other_ranks``'s peak of live memory.
+BATCHES = {
+    "one": (1, 180, {}),
+    "two": (2, 420, {"MALLOC_MMAP_THRESHOLD_": "65536"}),
+    "one_after_two": (1, 120, {}),
+}
+# a test that reads ``resume_runs`` may be the one that launches every batch
+BATCHES_TIMEOUT = sum(timeout for _, timeout, _ in BATCHES.values()) + 60
 
 
-def run_scenario(name: str, out: Path, *args: str, devices: int = 2, timeout: float = 180) -> List[Dict[str, Any]]:
-    result = run_module(SCENARIOS, [name, "--out", str(out), "--devices", str(devices), *args], timeout=timeout)
-    assert_success(result)
-    return read_results(out, devices)
+def batch_name(devices: int, after_two: bool = False) -> str:
+    return "one_after_two" if after_two else {1: "one", 2: "two"}[devices]
+
+
+def new_batches(root: Path) -> ScenarioBatches:
+    batches = ScenarioBatches(SCENARIOS, root)
+    for name, (devices, timeout, env) in BATCHES.items():
+        batches.batch(name, devices, timeout, env)
+    return batches
 
 
 def rank_state(out: Path, rank: int) -> Dict[str, Any]:
@@ -83,21 +97,26 @@ def local_shards(local_state: Dict[str, Any]) -> Dict[int, Dict[str, torch.Tenso
     }
 
 
-def check_exact_resume(
-    tmp_path: Path, optimizer: str, *extra: str, devices: int = 2, atol: float = 0.0, streamed: bool = True
-) -> None:
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+def plan_exact_resume(batches: ScenarioBatches, case: str, optimizer: str, *extra: str, devices: int = 2) -> None:
+    """Queue the two runs that :func:`check_exact_resume` compares, as ``<case>/straight`` and ``<case>/resumed``."""
+    batch = batches.batch(batch_name(devices), devices)
     # 2k steps without stopping; ModelCheckpoint saves after every epoch (k steps), so a save happens mid-run
-    run_scenario("fit", straight, "--optimizer", optimizer, "--scheduler", "--epochs", "2", *extra, devices=devices)
-    # a fresh Trainer (and process) resumes from the checkpoint saved after k steps and trains to 2k
+    straight = batch.add(f"{case}/straight", "fit", "--optimizer", optimizer, "--scheduler", "--epochs", "2", *extra)
+    # a fresh Trainer resumes from the checkpoint saved after k steps and trains to 2k
     ckpt = straight / "ckpts" / "epoch=0.ckpt"
-    results = run_scenario(
-        "fit", resumed, "--optimizer", optimizer, "--scheduler", "--epochs", "2", "--ckpt", str(ckpt), *extra,
-        devices=devices,
+    batch.add(
+        f"{case}/resumed", "fit", "--optimizer", optimizer, "--scheduler", "--epochs", "2", "--ckpt", ckpt, *extra
     )
+
+
+def check_exact_resume(
+    batches: ScenarioBatches, case: str, devices: int = 2, atol: float = 0.0, streamed: bool = True
+) -> None:
+    straight, resumed = batches.folder(f"{case}/straight"), batches.folder(f"{case}/resumed")
+    results = batches.results(f"{case}/resumed")
     assert [r["global_step"] for r in results] == [8 if devices == 2 else 16] * devices
     # ModelCheckpoint's saves were streamed (``stream_checkpoint``), where they can be
-    reasons = [r["stream_reason"] for r in read_results(straight, devices)]
+    reasons = [r["stream_reason"] for r in batches.results(f"{case}/straight")]
     assert reasons == [None] * devices if streamed else all(reasons), reasons
     for rank in range(devices):
         expected, actual = rank_state(straight, rank), rank_state(resumed, rank)
@@ -114,44 +133,94 @@ def check_exact_resume(
         assert_same(final_resumed[key], final_straight[key], key, atol)
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize(("optimizer", "devices"), [("sgd", 2), ("adam", 2), ("adam", 1)])
-def test_exact_resume_matches_uninterrupted_training(tmp_path, optimizer, devices):
+# the cases each CPU test reads from ``resume_runs``, queued only for the tests this session runs
+PLANS: Dict[str, Callable[[ScenarioBatches], None]] = {}
+
+
+def queues(plan: Callable[[ScenarioBatches], None]) -> Callable[[Callable], Callable]:
+    """Register ``plan`` as the queue of the decorated test's cases."""
+
+    def register(test: Callable) -> Callable:
+        PLANS[test.__name__] = plan
+        return test
+
+    return register
+
+
+@pytest.fixture(scope="module")
+def resume_runs(request, tmp_path_factory) -> ScenarioBatches:
+    batches = new_batches(tmp_path_factory.mktemp("resume"))
+    for test in sorted(selected_tests(request) & set(PLANS)):
+        PLANS[test](batches)
+    return batches
+
+
+EXACT = [("sgd", 2), ("adam", 2), ("adam", 1)]
+
+
+def plan_exact(batches: ScenarioBatches) -> None:
+    for optimizer, devices in EXACT:
+        plan_exact_resume(batches, f"exact-{optimizer}-{devices}", optimizer, devices=devices)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("optimizer", "devices"), EXACT)
+@queues(plan_exact)
+def test_exact_resume_matches_uninterrupted_training(resume_runs, optimizer, devices):
     """Upstream 1.6.5 fails this twice over: the model built in ``configure_sharded_model`` cannot be restored
     (``Unexpected key(s) in state_dict``), and, with that fixed, rank 1 resumes with rank 0's optimizer shard."""
-    check_exact_resume(tmp_path, optimizer, devices=devices)
+    check_exact_resume(resume_runs, f"exact-{optimizer}-{devices}", devices=devices)
 
 
-@pytest.mark.timeout(420)
-def test_exact_resume_with_several_outermost_fsdp_instances(tmp_path):
+def plan_several_outermost(batches: ScenarioBatches) -> None:
+    plan_exact_resume(batches, "outermost", "adam", "--wrapping", "auto_wrap", "--min-num-params", "50")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_several_outermost)
+def test_exact_resume_with_several_outermost_fsdp_instances(resume_runs):
     """``auto_wrap`` of a container without parameters of its own leaves one outermost FSDP instance per block, as in
     Lightning's FSDP docs; the optimizer state is consolidated and re-sharded per instance."""
-    auto_wrap = ("--wrapping", "auto_wrap", "--min-num-params", "50")
-    check_exact_resume(tmp_path, "adam", *auto_wrap)
-    saved = load_checkpoint(tmp_path / "straight" / "ckpts" / "epoch=0.ckpt")["optimizer_states"][0]
+    check_exact_resume(resume_runs, "outermost")
+    saved = load_checkpoint(resume_runs.folder("outermost/straight") / "ckpts" / "epoch=0.ckpt")
+    saved = saved["optimizer_states"][0]
     assert len(saved["fsdp_roots"]) == 2  # one per block
     for root_state in saved["fsdp_roots"]:
         assert {"state", "param_groups", "param_id_map"} <= set(root_state)
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize(("save_devices", "load_devices"), [(2, 2), (2, 1), (1, 2)])
-def test_resume_reshards_optimizer_state(tmp_path, save_devices, load_devices):
+RESHARD = [(2, 2), (2, 1), (1, 2)]
+
+
+def plan_resume_reshards(
+    batches: ScenarioBatches, case: str, save_devices: int, load_devices: int, *extra: str
+) -> None:
+    save = batches.batch(batch_name(save_devices), save_devices)
+    saved = save.add(f"{case}/save", "fit", "--optimizer", "adam", "--epochs", "1", *extra)
+    # resume with max_epochs=1: the restored state is reported without training any further
+    load = batches.batch(batch_name(load_devices, after_two=load_devices < save_devices), load_devices)
+    load.add(f"{case}/load", "fit", "--optimizer", "adam", "--epochs", "1", "--ckpt", saved / "ckpts" / "epoch=0.ckpt",
+             *extra)
+
+
+def plan_reshards(batches: ScenarioBatches) -> None:
+    for save_devices, load_devices in RESHARD:
+        plan_resume_reshards(batches, f"reshard-{save_devices}-{load_devices}", save_devices, load_devices)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("save_devices", "load_devices"), RESHARD)
+@queues(plan_reshards)
+def test_resume_reshards_optimizer_state(resume_runs, save_devices, load_devices):
     """Layers created in ``configure_sharded_model`` resume, and every rank gets its slice of the consolidated
     optimizer state, also when the number of devices changes between save and resume."""
-    check_resume_reshards(tmp_path, save_devices, load_devices)
+    check_resume_reshards(resume_runs, f"reshard-{save_devices}-{load_devices}", load_devices)
 
 
-def check_resume_reshards(tmp_path: Path, save_devices: int, load_devices: int, *extra: str) -> None:
-    run_scenario("fit", tmp_path / "save", "--optimizer", "adam", "--epochs", "1", *extra, devices=save_devices)
-    ckpt_path = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
-    # resume with max_epochs=1: the restored state is reported without training any further
-    results = run_scenario(
-        "fit", tmp_path / "load", "--optimizer", "adam", "--epochs", "1", "--ckpt", str(ckpt_path), *extra,
-        devices=load_devices,
-    )
+def check_resume_reshards(batches: ScenarioBatches, case: str, load_devices: int) -> None:
+    results = batches.results(f"{case}/load")
     assert all(r["world_size"] == load_devices for r in results)
-    checkpoint = load_checkpoint(ckpt_path)
+    checkpoint = load_checkpoint(batches.folder(f"{case}/save") / "ckpts" / "epoch=0.ckpt")
     full_state = checkpoint["optimizer_states"][0]["fsdp_roots"][0]
     assert set(full_state) >= {"state", "param_groups", "param_id_map"}
     # the consolidated state holds unflattened, full-size tensors, like the model's state dict
@@ -159,163 +228,229 @@ def check_resume_reshards(tmp_path: Path, save_devices: int, load_devices: int, 
         tuple(v.shape) for v in checkpoint["state_dict"].values()
     ]
     for rank in range(load_devices):
-        state = rank_state(tmp_path / "load", rank)
+        state = rank_state(batches.folder(f"{case}/load"), rank)
         assert_same(state["params"], dict(checkpoint["state_dict"]), f"rank {rank} params")
         assert_same(local_shards(state["optim"][0]), expected_shards(full_state, load_devices, rank), f"rank {rank}")
 
 
-@pytest.mark.timeout(420)
-def test_test_from_checkpoint_restores_sharded_model(tmp_path):
+def plan_test_from_checkpoint(batches: ScenarioBatches) -> None:
+    batch = batches.batch("two", 2)
+    saved = batch.add("test_from_checkpoint/save", "fit", "--epochs", "1")
+    batch.add("test_from_checkpoint/load", "test_from_checkpoint", "--ckpt", saved / "ckpts" / "epoch=0.ckpt")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_test_from_checkpoint)
+def test_test_from_checkpoint_restores_sharded_model(resume_runs):
     """Restoring after setup also serves ``trainer.test(ckpt_path=...)``, where no optimizer exists."""
-    run_scenario("fit", tmp_path / "save", "--epochs", "1")
-    ckpt_path = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
-    run_scenario("test_from_checkpoint", tmp_path / "load", "--ckpt", str(ckpt_path))
-    checkpoint = load_checkpoint(ckpt_path)
+    resume_runs.results("test_from_checkpoint/load")
+    checkpoint = load_checkpoint(resume_runs.folder("test_from_checkpoint/save") / "ckpts" / "epoch=0.ckpt")
     for rank in range(2):
-        assert_same(rank_state(tmp_path / "load", rank)["params"], dict(checkpoint["state_dict"]), f"rank {rank}")
+        state = rank_state(resume_runs.folder("test_from_checkpoint/load"), rank)
+        assert_same(state["params"], dict(checkpoint["state_dict"]), f"rank {rank}")
 
 
-@pytest.mark.timeout(240)
-def test_full_optimizer_state_only_on_rank_zero(tmp_path):
-    rank0, rank1 = run_scenario("consolidate", tmp_path, "--optimizer", "adam")
+def plan_consolidate(batches: ScenarioBatches) -> None:
+    batches.batch("two", 2).add("consolidate", "consolidate", "--optimizer", "adam")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_consolidate)
+def test_full_optimizer_state_only_on_rank_zero(resume_runs):
+    rank0, rank1 = resume_runs.results("consolidate")
     assert rank0["full_keys"] == ["fsdp_root_param_ids", "fsdp_roots", "param_groups", "state"]
     assert rank1["full_keys"] == []
     # consolidating leaves the live optimizer state as it was (FairScale turns ``step`` tensors into ints in place)
     assert rank0["local_state_unchanged"] and rank1["local_state_unchanged"]
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize(
-    ("layout", "optimizer", "devices"),
-    [
-        ("param_groups", "sgd", 2),
-        ("reversed", "adam", 2),
-        ("no_flatten", "sgd", 2),
-        ("no_flatten", "adam", 2),
-        ("frozen", "adam", 2),
-        ("frozen", "adam", 1),
-    ],
-)
-def test_exact_resume_with_optimizer_layouts(tmp_path, layout, optimizer, devices):
+LAYOUTS = [
+    ("param_groups", "sgd", 2),
+    ("reversed", "adam", 2),
+    ("no_flatten", "sgd", 2),
+    ("no_flatten", "adam", 2),
+    ("frozen", "adam", 2),
+    ("frozen", "adam", 1),
+]
+
+
+def plan_layouts(batches: ScenarioBatches) -> None:
+    for layout, optimizer, devices in LAYOUTS:
+        plan_exact_resume(
+            batches, f"layout-{layout}-{optimizer}-{devices}", optimizer, "--layout", layout, devices=devices
+        )
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("layout", "optimizer", "devices"), LAYOUTS)
+@queues(plan_layouts)
+def test_exact_resume_with_optimizer_layouts(resume_runs, layout, optimizer, devices):
     """Layouts that upstream 1.6.5 saved (incompletely) resume exactly: several param groups, an optimizer whose
     parameters are not in module order and FSDP instances without optimizer state (frozen blocks, the first one
     included) are consolidated; ``flatten_parameters=False``, which FairScale cannot consolidate, keeps every
     rank's own state."""
+    case = f"layout-{layout}-{optimizer}-{devices}"
     # FairScale's consolidated format needs flat parameters: a save with ``flatten_parameters=False`` is not streamed
-    check_exact_resume(tmp_path, optimizer, "--layout", layout, devices=devices, streamed=layout != "no_flatten")
-    saved = load_checkpoint(tmp_path / "straight" / "ckpts" / "epoch=0.ckpt")["optimizer_states"][0]
+    check_exact_resume(resume_runs, case, devices=devices, streamed=layout != "no_flatten")
+    saved = load_checkpoint(resume_runs.folder(f"{case}/straight") / "ckpts" / "epoch=0.ckpt")["optimizer_states"][0]
     assert ("fsdp_per_rank" in saved) == (layout == "no_flatten")
     if layout == "param_groups":
         lrs = [group["lr"] for group in saved["param_groups"]]
         assert len(lrs) == 2 and lrs[0] * 2 == lrs[1]
 
 
-@pytest.mark.timeout(240)
-def test_per_rank_optimizer_state_needs_the_same_world_size(tmp_path):
-    run_scenario("fit", tmp_path / "save", "--layout", "no_flatten", "--epochs", "1")
-    ckpt = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
-    result = run_module(
-        SCENARIOS, ["fit", "--out", str(tmp_path / "load"), "--devices", "1", "--layout", "no_flatten",
-                    "--epochs", "2", "--ckpt", str(ckpt)], timeout=180,
+def plan_per_rank_world_size(batches: ScenarioBatches) -> None:
+    saved = batches.batch("two", 2).add("per_rank/save", "fit", "--layout", "no_flatten", "--epochs", "1")
+    batches.batch("one_after_two", 1).add(
+        "per_rank/load", "fit", "--layout", "no_flatten", "--epochs", "2", "--ckpt", saved / "ckpts" / "epoch=0.ckpt",
+        fails=True,
     )
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_per_rank_world_size)
+def test_per_rank_optimizer_state_needs_the_same_world_size(resume_runs):
+    result = resume_runs.failure("per_rank/load")
     assert result.returncode != 0
     assert "can only be resumed with 2 processes, not 1" in result.output
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    ("optimizer", "build", "devices"), [("sgd", "sharded", 2), ("adam", "init", 2), ("adam", "sharded", 1)]
-)
-def test_exact_resume_with_parameters_outside_fsdp(tmp_path, optimizer, build, devices):
+OUTSIDE = [("sgd", "sharded", 2), ("adam", "init", 2), ("adam", "sharded", 1)]
+
+
+def plan_outside(batches: ScenarioBatches) -> None:
+    for optimizer, build, devices in OUTSIDE:
+        plan_exact_resume(
+            batches, f"outside-{optimizer}-{build}-{devices}", optimizer, "--layout", "outside", "--build", build,
+            devices=devices,
+        )
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("optimizer", "build", "devices"), OUTSIDE)
+@queues(plan_outside)
+def test_exact_resume_with_parameters_outside_fsdp(resume_runs, optimizer, build, devices):
     """Trainable parameters outside FSDP (registered in ``__init__`` and in ``configure_sharded_model``) are
     replicated: their gradients are averaged before each step, so every rank holds the same values, and their
     optimizer state is saved once and restored on every rank. Upstream 1.6.5 trains a different copy per rank."""
-    check_exact_resume(tmp_path, optimizer, "--layout", "outside", "--build", build, devices=devices)
+    case = f"outside-{optimizer}-{build}-{devices}"
+    check_exact_resume(resume_runs, case, devices=devices)
     for run in ("straight", "resumed"):
-        states = [rank_state(tmp_path / run, rank) for rank in range(devices)]
+        states = [rank_state(resume_runs.folder(f"{case}/{run}"), rank) for rank in range(devices)]
         for name in ("before", "after"):
             assert all(torch.equal(s["params"][name], states[0]["params"][name]) for s in states), (run, name)
         assert not torch.equal(states[0]["params"]["before"], torch.linspace(-1, 1, 8))  # it was trained
 
 
-@pytest.mark.timeout(240)
-def test_replicated_gradients_sync_once_per_step_before_clipping(tmp_path):
+def plan_replicated_gradients(batches: ScenarioBatches) -> None:
+    batches.batch("two", 2).add(
+        "replicated_gradients", "fit", "--layout", "outside", "--epochs", "1", "--accumulate", "2", "--clip", "0.001"
+    )
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_replicated_gradients)
+def test_replicated_gradients_sync_once_per_step_before_clipping(resume_runs):
     """With gradient accumulation and clipping by value, the replicated gradients are averaged once per optimizer
     step, before clipping: the copies stay identical on every rank."""
-    results = run_scenario(
-        "fit", tmp_path, "--layout", "outside", "--epochs", "1", "--accumulate", "2", "--clip", "0.001"
-    )
-    for result in results:
+    for result in resume_runs.results("replicated_gradients"):
         assert result["global_step"] == 2 and result["syncs"] == 2
-    states = [rank_state(tmp_path, rank)["params"] for rank in range(2)]
+    states = [rank_state(resume_runs.folder("replicated_gradients"), rank)["params"] for rank in range(2)]
     for name in ("before", "after"):
         assert torch.equal(states[0][name], states[1][name]), name
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("devices", [2, 1])
-def test_upstream_on_load_checkpoint_pattern(tmp_path, devices):
+ON_LOAD_DEVICES = [2, 1]
+
+
+def plan_upstream_on_load(batches: ScenarioBatches) -> None:
+    for devices in ON_LOAD_DEVICES:
+        batch = batches.batch(batch_name(devices), devices)
+        batch.add(f"on_load-{devices}/stages", "stages", "--recreate-on-load", "--build", "init")
+        plan_exact_resume(batches, f"on_load-{devices}", "adam", "--recreate-on-load", "--build", "init",
+                          devices=devices)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("devices", ON_LOAD_DEVICES)
+@queues(plan_upstream_on_load)
+def test_upstream_on_load_checkpoint_pattern(resume_runs, devices):
     """Upstream 1.6.5's FSDP tests re-create the unwrapped layers in ``on_load_checkpoint``. The layers are sharded
     again: in fit, validate, test and predict, and when a fresh Trainer resumes, which resumes exactly."""
-    results = run_scenario("stages", tmp_path / "stages", "--recreate-on-load", "--build", "init", devices=devices)
-    for result in results:
+    for result in resume_runs.results(f"on_load-{devices}/stages"):
         assert result["sharded_in"] == {"fit": True, "validate": True, "test": True, "predict": True}, result
-    check_exact_resume(tmp_path, "adam", "--recreate-on-load", "--build", "init", devices=devices)
-    for result in read_results(tmp_path / "resumed", devices):
+    check_exact_resume(resume_runs, f"on_load-{devices}", devices=devices)
+    for result in resume_runs.results(f"on_load-{devices}/resumed"):
         assert result["sharded_in"] == {"fit": True}
 
 
-@pytest.mark.timeout(240)
-def test_callbacks_are_restored_before_on_fit_start(tmp_path):
+def plan_callbacks_restored(batches: ScenarioBatches) -> None:
+    batch = batches.batch("two", 2)
+    saved = batch.add("callbacks/save", "fit", "--epochs", "1")
+    batch.add("callbacks/load", "fit", "--epochs", "2", "--ckpt", saved / "ckpts" / "epoch=0.ckpt")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_callbacks_restored)
+def test_callbacks_are_restored_before_on_fit_start(resume_runs):
     """As with every strategy that restores before setup, callback state (e.g. ``BaseFinetuning``'s param groups)
     is restored before ``on_fit_start`` runs."""
-    run_scenario("fit", tmp_path / "save", "--epochs", "1")
-    ckpt = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
-    for result in run_scenario("fit", tmp_path / "load", "--epochs", "2", "--ckpt", str(ckpt)):
+    for result in resume_runs.results("callbacks/load"):
         assert result["restored_at_fit_start"] is True, result
 
 
-@pytest.mark.timeout(240)
-def test_configure_sharded_model_guarded_by_a_flag_raises_instead_of_running_unsharded(tmp_path):
-    run_scenario("fit", tmp_path / "save", "--epochs", "1")
-    ckpt = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
-    result = run_module(
-        SCENARIOS, ["fit", "--out", str(tmp_path / "load"), "--devices", "2", "--epochs", "2", "--ckpt", str(ckpt),
-                    "--recreate-on-load", "--guard-by-flag"], timeout=180,
+def plan_guard_by_flag(batches: ScenarioBatches) -> None:
+    batch = batches.batch("two", 2)
+    saved = batch.add("guard_by_flag/save", "fit", "--epochs", "1")
+    batch.add(
+        "guard_by_flag/load", "fit", "--epochs", "2", "--ckpt", saved / "ckpts" / "epoch=0.ckpt", "--recreate-on-load",
+        "--guard-by-flag", fails=True,
     )
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_guard_by_flag)
+def test_configure_sharded_model_guarded_by_a_flag_raises_instead_of_running_unsharded(resume_runs):
+    result = resume_runs.failure("guard_by_flag/load")
     assert result.returncode != 0
     assert "left 0 FSDP instances instead of 3, so the model would run unsharded" in result.output
 
 
-@pytest.mark.timeout(240)
-def test_restored_optimizer_state_stays_on_its_parameters_device(tmp_path):
+def plan_state_device(batches: ScenarioBatches) -> None:
+    batch = batches.batch("two", 2)
+    args = ("--optimizer", "adam", "--layout", "outside", "--epochs", "1")
+    saved = batch.add("state_device/save", "fit", *args)
+    batch.add("state_device/load", "fit", *args, "--ckpt", saved / "ckpts" / "epoch=0.ckpt", "--mock-cuda-root")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_state_device)
+def test_restored_optimizer_state_stays_on_its_parameters_device(resume_runs):
     """With ``cpu_offload=True`` FairScale keeps the fp32 shards on the CPU while the root device is CUDA; the
     restored optimizer state must stay with its parameter (mocked here: the root device claims to be CUDA)."""
-    run_scenario("fit", tmp_path / "save", "--optimizer", "adam", "--layout", "outside", "--epochs", "1")
-    ckpt = tmp_path / "save" / "ckpts" / "epoch=0.ckpt"
-    results = run_scenario(
-        "fit", tmp_path / "load", "--optimizer", "adam", "--layout", "outside", "--epochs", "1", "--ckpt", str(ckpt),
-        "--mock-cuda-root",
-    )
-    for result in results:
+    for result in resume_runs.results("state_device/load"):
         assert result["state_devices_ok"] and all(result["state_devices_ok"]), result
 
 
-@pytest.mark.timeout(420)
-def test_checkpoint_with_rank_zero_optimizer_shard_warns(tmp_path):
+def plan_legacy(batches: ScenarioBatches) -> None:
+    batch = batches.batch("two", 2)
+    saved = batch.add("legacy/save", "make_legacy", "--scheduler")
+    batch.add("legacy/load", "resume_legacy", "--scheduler", "--ckpt", saved / "legacy.ckpt")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_legacy)
+def test_checkpoint_with_rank_zero_optimizer_shard_warns(resume_runs):
     """A checkpoint in upstream 1.6.5's format (rank 0's local optimizer shard) loads the weights, warns, and does
     not hand rank 0's shard to the other ranks."""
-    run_scenario("make_legacy", tmp_path / "save", "--scheduler")
-    legacy = load_checkpoint(tmp_path / "save" / "legacy.ckpt")
-    rank0, rank1 = run_scenario(
-        "resume_legacy", tmp_path / "load", "--scheduler", "--ckpt", str(tmp_path / "save" / "legacy.ckpt")
-    )
+    rank0, rank1 = resume_runs.results("legacy/load")
+    legacy = load_checkpoint(resume_runs.folder("legacy/save") / "legacy.ckpt")
     assert len(rank0["warnings"]) == 1 and "is a plain `optimizer.state_dict()`" in rank0["warnings"][0]
     assert rank1["warnings"] == []  # rank_zero_warn
     saved_lr = legacy["optimizer_states"][0]["param_groups"][0]["lr"]
     for rank, result in enumerate((rank0, rank1)):
         assert result["lrs"] == [saved_lr]
-        state = rank_state(tmp_path / "load", rank)
+        state = rank_state(resume_runs.folder("legacy/load"), rank)
         assert_same(state["params"], dict(legacy["state_dict"]), f"rank {rank} params")
         assert state["optim"][0]["state"] == {}
 
@@ -324,32 +459,35 @@ def test_checkpoint_with_rank_zero_optimizer_shard_warns(tmp_path):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_exact_resume_matches_uninterrupted_training_multi_gpu(tmp_path, optimizer):
-    check_exact_resume(tmp_path, optimizer, "--accelerator", "gpu", atol=1e-6)
+    batches = new_batches(tmp_path)
+    plan_exact_resume(batches, "gpu", optimizer, "--accelerator", "gpu")
+    check_exact_resume(batches, "gpu", atol=1e-6)
 
 
 @RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
 @pytest.mark.timeout(600)
 def test_resume_reshards_optimizer_state_multi_gpu(tmp_path):
     # the body of test_resume_reshards_optimizer_state[2-1] on GPUs
-    check_resume_reshards(tmp_path, 2, 1, "--accelerator", "gpu")
+    batches = new_batches(tmp_path)
+    plan_resume_reshards(batches, "gpu", 2, 1, "--accelerator", "gpu")
+    check_resume_reshards(batches, "gpu", 1)
 
 
-@pytest.mark.timeout(240)
-def test_consolidation_memory_on_other_ranks(tmp_path):
+def plan_consolidation_memory(batches: ScenarioBatches) -> None:
+    batches.batch("two", 2).add("memory", "memory", "--optimizer", "adam", "--width", "1024", first=True)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_consolidation_memory)
+def test_consolidation_memory_on_other_ranks(resume_runs):
     """Only global rank 0 grows by the full optimizer state; rank 1 needs no more than the gather buffers of one FSDP
     unit (issue bound: 2 x one unit with its optimizer state + 5% of model and optimizer state).
 
     glibc is told to return freed large blocks to the OS, so that the anonymous-memory peak (``PeakMemory``) measures
-    live memory rather than what the allocator keeps cached between the per-unit gathers.
+    live memory rather than what the allocator keeps cached between the per-unit gathers (``BATCHES``). The case
+    runs first in its batch, in processes that ran nothing else.
     """
-    result = run_module(
-        SCENARIOS,
-        ["memory", "--out", str(tmp_path), "--optimizer", "adam", "--width", "1024"],
-        timeout=180,
-        env={"MALLOC_MMAP_THRESHOLD_": "65536"},
-    )
-    assert_success(result)
-    rank0, rank1 = read_results(tmp_path, 2)
+    rank0, rank1 = resume_runs.results("memory")
     model_mib = 4 * rank0["unit_params_mib"]
     bound = 2 * rank1["unit_with_adam_state_mib"] + 0.05 * (model_mib + rank1["full_adam_state_mib"])
     assert rank1["growth_mib"] <= bound, (rank1, bound)

@@ -1,9 +1,10 @@
 """The multi-GPU body of ``test_ddp_fully_sharded_state_dict_on_rank_0_only.py`` on 2 CPU ranks over gloo.
 
-The exported test file may import only what upstream has, so its 2-CPU-rank run lives here: this module is both the test
-and the scenario script it starts (``python -m tests.strategies.test_ddp_fully_sharded_state_dict_on_rank_0_only_cpu run
---out DIR --wrapping wrap``), running the same body with ``accelerator="cpu"`` and the CPU FSDP harness strategy
-(``fsdp_harness/cpu_fsdp.py``). Its harness imports are the three lines below.
+The exported test file may import only what upstream has, so its 2-CPU-rank run lives here: this module is both
+the test and the scenario script it starts
+(``python -m tests.strategies.test_ddp_fully_sharded_state_dict_on_rank_0_only_cpu run --out DIR --wrapping wrap``),
+running the same body with ``accelerator="cpu"`` and the CPU FSDP harness strategy (``fsdp_harness/cpu_fsdp.py``).
+Its harness imports are the three lines below. Both wrappings run in one launch (``cpu_runs``).
 """
 import argparse
 from typing import Any, Dict
@@ -11,8 +12,8 @@ from typing import Any, Dict
 import pytest
 
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import main, read_results
+from fsdp_harness.runner import ScenarioBatch
+from fsdp_harness.scenario import main
 from tests.strategies.test_ddp_fully_sharded_state_dict_on_rank_0_only import (
     run_fully_sharded_state_dict_on_rank_0_only,
 )
@@ -25,15 +26,22 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     )
 
 
-def _run_on_2_cpu_ranks(out, wrapping: str, *extra: str):
-    return run_module(MODULE, ["run", "--out", str(out), "--wrapping", wrapping, *extra], timeout=240)
+WRAPPINGS = ["wrap", "auto_wrap"]
+BATCH_TIMEOUT = 480
 
 
-@pytest.mark.timeout(540)
-@pytest.mark.parametrize("wrapping", ["wrap", "auto_wrap"])
-def test_fully_sharded_state_dict_on_rank_0_only_cpu(tmp_path, wrapping):
-    assert_success(_run_on_2_cpu_ranks(tmp_path / "full", wrapping))
-    rank0, rank1 = read_results(tmp_path / "full", 2)
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory) -> ScenarioBatch:
+    batch = ScenarioBatch(MODULE, tmp_path_factory.mktemp("rank_0_only"), timeout=BATCH_TIMEOUT)
+    for wrapping in WRAPPINGS:
+        batch.add(wrapping, "run", "--wrapping", wrapping)
+    return batch
+
+
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+@pytest.mark.parametrize("wrapping", WRAPPINGS)
+def test_fully_sharded_state_dict_on_rank_0_only_cpu(cpu_runs, wrapping):
+    rank0, rank1 = cpu_runs.results(wrapping)
     assert (rank0["rank"], rank1["rank"]) == (0, 1)
     assert rank0["written"] == 2 and rank1["written"] == 0
     assert rank0["state_dict_keys"] == 8 and rank1["state_dict_keys"] == 0

@@ -13,8 +13,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from fsdp_harness.multiprocess import assert_success, run_module
-from fsdp_harness.scenario import read_results
+from fsdp_harness.runner import Records, ScenarioBatch, run_scenario
 from tests.helpers.runif import RunIf
 from tests.strategies.test_ddp_fully_sharded_resume import assert_same
 
@@ -22,20 +21,25 @@ SCENARIOS = "tests.strategies.fsdp_transformers_scenarios"
 DEVICES = 2
 
 
-def run_cases(out: Path, model: str, *args: str, timeout: float = 540) -> Dict[str, List[Dict[str, Any]]]:
-    """Run every case of ``model`` in one pair of processes; return each case's records, one per rank."""
-    result = run_module(
-        SCENARIOS, ["cases", "--out", str(out), "--devices", str(DEVICES), "--model", model, *args],
-        timeout=timeout, env={"HF_HUB_OFFLINE": "1"},
-    )
-    assert_success(result)
-    cases = read_results(out, DEVICES)[0]["cases"]
+ENV = {"HF_HUB_OFFLINE": "1"}
+# both models' ``cases`` run in one launch (``transformers_runs``)
+BATCH_TIMEOUT = 840
+
+
+def load_cases(out: Path, records: Records) -> Dict[str, List[Dict[str, Any]]]:
+    """Each case's records, one per rank, of a ``cases`` run into ``out`` that returned ``records``."""
     return {
         case: [
             torch.load(out / f"{case}.rank{rank}.pt", map_location="cpu", weights_only=False) for rank in range(DEVICES)
         ]
-        for case in cases
+        for case in records[0]["cases"]
     }
+
+
+def run_cases(out: Path, model: str, *args: str, timeout: float = 540) -> Dict[str, List[Dict[str, Any]]]:
+    """Run every case of ``model`` in one pair of processes; return each case's records, one per rank."""
+    records = run_scenario(SCENARIOS, "cases", out, "--model", model, *args, devices=DEVICES, timeout=timeout, env=ENV)
+    return load_cases(out, records)
 
 
 def is_batchnorm_statistic(key: str) -> bool:
@@ -43,13 +47,16 @@ def is_batchnorm_statistic(key: str) -> bool:
 
 
 def check_cases(
-    out: Path, model: str, wrappings: List[str], *args: str, synced_statistics: bool = False, atol: float = 0.0
+    cases: Dict[str, List[Dict[str, Any]]],
+    model: str,
+    wrappings: List[str],
+    synced_statistics: bool = False,
+    atol: float = 0.0,
 ) -> None:
-    """The checks of the module docstring, for every case of ``model``.
+    """The checks of the module docstring, for every case of ``model`` (records from :func:`load_cases`).
 
     BatchNorm statistics are per rank: the checkpoint holds global rank 0's, so a resumed rank 1 continues from rank
     0's statistics, unless ``SyncBatchNorm`` keeps them equal (``synced_statistics``)."""
-    cases = run_cases(out, model, "--wrappings", *wrappings, *args)
     assert sorted(cases) == sorted(f"{w}-{s}" for w in wrappings for s in ("streamed", "gathered"))
     for case, records in cases.items():
         wrapping, streamed = case.split("-")[0], case.endswith("streamed")
@@ -94,13 +101,22 @@ def check_cases(
 WRAPPINGS = {"gpt2": ["block", "whole", "body"], "resnet": ["block", "whole"]}
 
 
-@pytest.mark.timeout(600)
+@pytest.fixture(scope="module")
+def transformers_runs(tmp_path_factory) -> ScenarioBatch:
+    batch = ScenarioBatch(SCENARIOS, tmp_path_factory.mktemp("transformers"), DEVICES, timeout=BATCH_TIMEOUT, env=ENV)
+    for model, wrappings in sorted(WRAPPINGS.items()):
+        batch.add(model, "cases", "--model", model, "--wrappings", *wrappings)
+    return batch
+
+
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("model", sorted(WRAPPINGS))
-def test_transformers_models_save_and_resume_exactly(tmp_path, model):
+def test_transformers_models_save_and_resume_exactly(transformers_runs, model):
     """The fork before this test could not resume GPT-2 with its tied embeddings inside one FSDP instance: the
     tied ``lm_head.weight`` was an unexpected key. A tie that FSDP splits is saved under both names, resumes
     exactly and loads strictly; global rank 0 warns that it was split."""
-    check_cases(tmp_path, model, WRAPPINGS[model])
+    cases = load_cases(transformers_runs.folder(model), transformers_runs.results(model))
+    check_cases(cases, model, WRAPPINGS[model])
 
 
 @RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
@@ -110,6 +126,5 @@ def test_transformers_models_save_and_resume_exactly_multi_gpu(tmp_path, model, 
     # the body of test_transformers_models_save_and_resume_exactly on GPUs; with SyncBatchNorm, which needs them,
     # the statistics are the same on every rank, and so is the resumed run's
     extra = ["--sync-batchnorm"] if sync_batchnorm else []
-    check_cases(
-        tmp_path, model, WRAPPINGS[model], "--accelerator", "gpu", *extra, synced_statistics=sync_batchnorm, atol=1e-5
-    )
+    cases = run_cases(tmp_path, model, "--wrappings", *WRAPPINGS[model], "--accelerator", "gpu", *extra)
+    check_cases(cases, model, WRAPPINGS[model], synced_statistics=sync_batchnorm, atol=1e-5)

@@ -1,0 +1,214 @@
+"""The one way tests run a scenario module (:mod:`.scenario`) on real processes and read its per-rank results.
+
+* :func:`launch` starts ``python -m <module> <scenario> --out <out> --devices <n> ...`` under a timeout and returns
+  its :class:`~fsdp_harness.multiprocess.ScriptResult` as it is, for scenarios that are meant to fail.
+* :func:`run_scenario` is :func:`launch` + :func:`~fsdp_harness.multiprocess.assert_success` +
+  :func:`~fsdp_harness.scenario.read_results`: the scenario succeeded on every rank; its records, one per rank.
+* :class:`ScenarioBatch` runs many scenarios of one module in ONE launch of the ranks (``<module> batch``): starting
+  the ranks and importing torch and Lightning take most of a small scenario's time, and the suite has a time budget.
+  A test module fills one batch in a module-scoped fixture, and each test item reads its own cases, so every case is
+  still its own reported test and a failure names the case. Under xdist, ``--dist loadfile`` (``pyproject.toml``)
+  runs a module's tests on one worker, so the batch launches once; the ``pytest.mark.timeout`` of every test that
+  reads it covers the whole batch (the first of them launches it).
+"""
+import json
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Set
+
+from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
+from fsdp_harness.scenario import BATCH, read_results
+
+Records = List[Dict[str, Any]]
+
+
+def _argv(scenario: str, out: Path, devices: int, args: Iterable[str]) -> List[str]:
+    return [scenario, "--out", str(out), "--devices", str(devices), *map(str, args)]
+
+
+def launch(
+    module: str,
+    scenario: str,
+    out: Path,
+    *args: Any,
+    devices: int = 2,
+    timeout: float = 180,
+    grace: float = 15,
+    env: Optional[Dict[str, str]] = None,
+) -> ScriptResult:
+    """Run ``scenario`` of ``module`` on ``devices`` ranks, writing into ``out``; see
+    :func:`~fsdp_harness.multiprocess.run_module` for ``timeout``, ``grace`` and ``env``."""
+    return run_module(module, _argv(scenario, out, devices, args), timeout=timeout, grace=grace, env=env)
+
+
+def run_scenario(
+    module: str,
+    scenario: str,
+    out: Path,
+    *args: Any,
+    devices: int = 2,
+    timeout: float = 180,
+    grace: float = 15,
+    env: Optional[Dict[str, str]] = None,
+) -> Records:
+    """:func:`launch`, which must succeed on every rank; returns each rank's record."""
+    assert_success(launch(module, scenario, out, *args, devices=devices, timeout=timeout, grace=grace, env=env))
+    return read_results(out, devices)
+
+
+class ScenarioBatch:
+    """Scenarios of ``module`` that run one after the other in the same ``devices`` processes, launched once.
+
+    :meth:`add` queues a case (its out folder is ``root/<case>``, returned, so a later case can name the files of an
+    earlier one, e.g. a checkpoint to resume from); the first :meth:`results` launches the whole queue. A case that
+    raises stops the batch: its own results name its error, those of the cases after it say that they did not run.
+
+    Args:
+        module: the scenario module (``python -m`` name).
+        root: the folder of the batch; each case writes into ``root/<case>``.
+        devices: ranks of every case (a batch cannot mix world sizes: they are the same processes).
+        timeout: seconds for the whole batch, after which every rank is killed.
+        env: extra environment of the ranks, the same for every case.
+        grace: see :func:`~fsdp_harness.multiprocess.run_module`.
+    """
+
+    def __init__(
+        self,
+        module: str,
+        root: Path,
+        devices: int = 2,
+        timeout: float = 540,
+        env: Optional[Dict[str, str]] = None,
+        grace: float = 15,
+    ) -> None:
+        self.module, self.root, self.devices, self.timeout, self.env = module, root, devices, timeout, env
+        self.grace = grace
+        self._cases: Dict[str, List[str]] = {}
+        self._first: Optional[str] = None
+        self._failing: Optional[str] = None
+        self._result: Optional[ScriptResult] = None
+
+    def add(self, case: str, scenario: str, *args: Any, first: bool = False, fails: bool = False) -> Path:
+        """Queue ``case``: ``scenario`` with ``args``; returns its out folder.
+
+        Args:
+            first: run it before every other case, in processes that ran nothing else (e.g. to measure memory).
+            fails: the case is meant to raise, which stops the batch: it runs after every other case, and the test
+                reads it with :meth:`failure`.
+        """
+        assert self._result is None, "the batch has already run"
+        assert case not in self._cases, f"case {case!r} added twice"
+        for flag, role in ((first, "_first"), (fails, "_failing")):
+            if flag:
+                assert getattr(self, role) is None, f"a batch has one {role[1:]} case at most"
+                setattr(self, role, case)
+        out = self.root / case
+        self._cases[case] = _argv(scenario, out, self.devices, args)
+        return out
+
+    def _ordered(self) -> List[List[str]]:
+        middle = [case for case in self._cases if case not in (self._first, self._failing)]
+        return [self._cases[case] for case in [self._first, *middle, self._failing] if case is not None]
+
+    def folder(self, case: str) -> Path:
+        return self.root / case
+
+    def __contains__(self, case: str) -> bool:
+        return case in self._cases
+
+    def run(self) -> ScriptResult:
+        """Launch every queued case once (later calls return the first launch's result)."""
+        if self._result is None and not self._cases:
+            self._result = ScriptResult(0, "", 0.0, False)  # nothing selected: no launch
+        if self._result is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            cases = self.root / "batch.json"
+            cases.write_text(json.dumps(self._ordered(), indent=1))
+            self._result = run_module(
+                self.module, [BATCH, "--cases", str(cases)], timeout=self.timeout, grace=self.grace, env=self.env
+            )
+        return self._result
+
+    def results(self, case: str) -> Records:
+        """Each rank's record of ``case``, which must have succeeded on every rank."""
+        assert case in self._cases, f"case {case!r} was not added to the batch"
+        result = self.run()
+        out = self.folder(case)
+        if all((out / f"rank{rank}.json").exists() for rank in range(self.devices)):
+            return read_results(out, self.devices)
+        if any((out / f"rank{rank}.error").exists() for rank in range(self.devices)):
+            return read_results(out, self.devices)  # fails naming the case's own error
+        failed = next((c for c in self._cases if list(self.folder(c).glob("rank*.error"))), None)
+        why = f"case {failed!r} raised before it" if failed else "it or a case before it hung or crashed"
+        how = f"timed out after {result.seconds:.0f}s" if result.timed_out else f"exit code {result.returncode}"
+        raise AssertionError(f"case {case!r}: a rank wrote no result ({why}; the launch {how}); output:\n"
+                             f"{result.output[-8000:]}")
+
+    def failure(self, case: str) -> ScriptResult:
+        """The launch, for the batch's failing case (see :meth:`add`), after checking that it is the case that
+        raised: the test checks the return code and output as for a launch of its own."""
+        assert case == self._failing, f"case {case!r} was not added with fails=True"
+        result = self.run()
+        failed = [c for c in self._cases if list(self.folder(c).glob("rank*.error"))]
+        assert failed in ([], [case]), f"case {failed[0]!r} failed before {case!r}; output:\n{result.output[-8000:]}"
+        return result
+
+
+def selected_tests(request: Any) -> Set[str]:
+    """The names of the test functions of the requesting module that this session runs (after ``-k`` and friends),
+    so that a module-scoped fixture only queues the cases of tests that will read them."""
+    return {item.originalname for item in request.session.items if item.module is request.module}
+
+
+class ScenarioBatches:
+    """Batches of one module that run in the order they were created, for cases that need another world size's
+    files (a checkpoint saved on 2 ranks and resumed on 1): the results of a case launch its batch and every batch
+    before it, once each. Case names are unique across the batches.
+
+    Args:
+        module: the scenario module (``python -m`` name).
+        root: the folder of the batches; each batch writes into ``root/<name>``.
+    """
+
+    def __init__(self, module: str, root: Path) -> None:
+        self.module, self.root = module, root
+        self._batches: Dict[str, ScenarioBatch] = {}
+
+    def batch(
+        self, name: str, devices: int, timeout: float = 540, env: Optional[Dict[str, str]] = None
+    ) -> ScenarioBatch:
+        """The batch ``name``, created (after every batch created so far) on first use."""
+        if name not in self._batches:
+            self._batches[name] = ScenarioBatch(self.module, self.root / name, devices, timeout, env)
+        batch = self._batches[name]
+        assert batch.devices == devices, f"batch {name!r} runs on {batch.devices} ranks, not {devices}"
+        return batch
+
+    def _holding(self, case: str) -> ScenarioBatch:
+        holding = [batch for batch in self._batches.values() if case in batch]
+        assert len(holding) == 1, f"case {case!r} is in {len(holding)} batches"
+        return holding[0]
+
+    def folder(self, case: str) -> Path:
+        return self._holding(case).folder(case)
+
+    def _run_through(self, case: str) -> ScenarioBatch:
+        """Launch the batch of ``case`` and every batch before it (each once); return the batch of ``case``."""
+        holding = self._holding(case)
+        for batch in self._batches.values():
+            batch.run()
+            if batch is holding:
+                return holding
+        raise AssertionError("unreachable")
+
+    def results(self, case: str) -> Records:
+        """Each rank's record of ``case`` (see :meth:`ScenarioBatch.results`)."""
+        return self._run_through(case).results(case)
+
+    def failure(self, case: str) -> ScriptResult:
+        """The launch that ran the failing ``case`` (see :meth:`ScenarioBatch.failure`)."""
+        return self._run_through(case).failure(case)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds for every batch together: the least ``pytest.mark.timeout`` of a test that reads a case."""
+        return sum(batch.timeout for batch in self._batches.values())
