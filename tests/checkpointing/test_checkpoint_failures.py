@@ -99,11 +99,15 @@ def test_save_is_collective_only_where_saving_already_is(_, strategy_name, colle
     """FSDP gathers the state on every rank, so the save ends with the failure-flag collective; plain DDP allows
     ``trainer.save_checkpoint`` on rank 0 alone, where that collective would hang."""
     from pytorch_lightning.strategies import DDPFullyShardedStrategy, DDPStrategy
+    from pytorch_lightning.strategies.fsdp_checkpoint_state import _FSDPCheckpointState, _SaveSession
 
     connector = _connector(rank=0, failed_ranks=[])
     strategy_cls = DDPFullyShardedStrategy if strategy_name == "fsdp" else DDPStrategy
     connector.trainer.strategy.__class__ = type("Spec", (strategy_cls,), {})
     connector.trainer.strategy.save_checkpoint = mock.Mock()
+    # the FSDP strategy's checkpoint state and the session of this save, as the strategy makes them
+    connector.trainer.strategy._checkpoint_state = _FSDPCheckpointState()
+    connector.trainer.strategy._begin_checkpoint_save.return_value = _SaveSession()
     with mock.patch.object(connector, "dump_checkpoint", return_value={}):
         connector.save_checkpoint("x.ckpt")
     assert connector.trainer.strategy.all_gather.called is collective

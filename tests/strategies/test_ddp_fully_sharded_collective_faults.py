@@ -63,12 +63,13 @@ def test_loop_errors_are_kept_only_while_a_save_gathers_the_state() -> None:
     """Outside ``Trainer.save_checkpoint`` (a direct call of ``lightning_module_state_dict``, say) a failed loop
     raises at its end; during a save the first error is kept for the save to raise on every rank."""
     from pytorch_lightning.strategies import DDPFullyShardedStrategy
+    from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 
     strategy = DDPFullyShardedStrategy()
     with pytest.raises(ValueError, match="direct"):
         strategy._record_checkpoint_error(ValueError("direct"))
     assert strategy._pop_checkpoint_error() is None
-    strategy._defer_checkpoint_errors = True
+    strategy._checkpoint_state.session = _SaveSession(gathering=True)
     strategy._record_checkpoint_error(ValueError("first"))
     strategy._record_checkpoint_error(KeyError("second"))
     assert str(strategy._pop_checkpoint_error()) == "first"

@@ -18,14 +18,17 @@ import torch
 from typing_extensions import override
 
 from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit
+from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.strategies.fsdp_streaming_save import FSDPStreamingSaveMixin
+from pytorch_lightning.trainer.connectors.checkpoint_failures import _raise_on_every_rank_if_any_failed
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.checkpoint_errors import (
     _checkpoint_process_group,
     _checkpoint_timeout,
-    _exchange_failure_flags,
+    _exchange_flags,
     _failure_flag_buffers,
+    _flagged_ranks,
     _new_checkpoint_process_group,
 )
 from pytorch_lightning.utilities.checkpoint_groups import _hold_process_group, _release_process_group
@@ -77,13 +80,12 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         Raises:
             CheckpointError: on every rank, if the save failed on any rank; the previous file at its path is intact.
         """
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         if job is None:
             return
         # the job stays in flight until every rank knows how it ended: a ``KeyboardInterrupt`` up to then leaves it
         # to ``_finish_checkpoint_in_flight_alone``
         job.join()
-        connector = self.lightning_module.trainer._checkpoint_connector
         group = _checkpoint_process_group(self)
         # a rank whose writer thread failed inside a collective leaves the others' threads waiting in it until the
         # background group's timeout: wait for them that long, and as long again for the exchange itself
@@ -91,11 +93,12 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         try:
             if extend:
                 group.set_timeout(2 * _checkpoint_timeout())
-            connector._raise_on_all_ranks_if_any_failed(
+            _raise_on_every_rank_if_any_failed(
+                self.lightning_module.trainer,
                 job.error, f"Saving the checkpoint to {str(job.filepath)!r} in the background"
             )
         except Exception:
-            self._checkpoint_in_flight = None
+            self._checkpoint_state.in_flight = None
             # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
             # the next save makes a new one
             self._drop_background_process_group()
@@ -103,8 +106,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         finally:
             if extend:
                 group.set_timeout(_checkpoint_timeout())
-        self._checkpoint_in_flight = None
-        self._host_copy_pool = job.copies
+        self._checkpoint_state.in_flight = None
+        self._checkpoint_state.host_copy_pool = job.copies
         self._remove_replaced_checkpoints(job)
         job.run_after_commit()
 
@@ -122,13 +125,12 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
                 log.warning(f"Could not remove the replaced checkpoint {str(path)!r}: {ex}")
 
     @override
-    def _prepare_checkpoint_stream(
+    def _begin_checkpoint_save(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
-    ) -> None:
+    ) -> _SaveSession:
         # the save before this one first: at most one is in flight, and its failure is raised before a new one starts
         self.wait_for_checkpoint()
-        self._checkpoint_path = filepath
-        super()._prepare_checkpoint_stream(filepath, weights_only, storage_options)
+        return super()._begin_checkpoint_save(filepath, weights_only, storage_options)
 
     @override
     def _write_streamed_units(self, stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile]) -> None:
@@ -155,21 +157,22 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             guard.raise_if_failed()
         assert job is not None
         # in flight before its thread runs a collective: whatever runs next on this thread sees it
-        self._checkpoint_in_flight = job
+        self._checkpoint_state.in_flight = job
         job.launch()
 
     def _background_process_group(self) -> Optional[Any]:
         """The background threads' own gloo group, made at their first save; ``None`` on one process. Collective
         when it is made: a process group must not be used by two threads at once, and the training thread keeps using
         the checkpoint and FSDP groups."""
-        if self.world_size > 1 and getattr(self, "_async_checkpoint_group", None) is None:
-            _hold_process_group(self, "_async_checkpoint_group", _new_checkpoint_process_group(self))
-        return getattr(self, "_async_checkpoint_group", None)
+        state = self._checkpoint_state
+        if self.world_size > 1 and state.background_group is None:
+            _hold_process_group(state, "background_group", _new_checkpoint_process_group(self))
+        return state.background_group
 
     def _drop_background_process_group(self) -> None:
         """Destroy the background threads' group (every rank is here): after a failed collective it is not used
         again, and at the end of a stage it is not needed; the next background save makes a new one."""
-        _release_process_group(self, "_async_checkpoint_group")
+        _release_process_group(self._checkpoint_state, "background_group")
 
     def _new_background_save(
         self,
@@ -184,7 +187,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             # the copies to pinned host memory were queued on the current stream: the thread waits for them
             event = torch.cuda.Event()
             event.record()
-        job = _BackgroundSave(self, self._checkpoint_path, writer, group, units, states, event)
+        job = _BackgroundSave(self, self._checkpoint_state.session.filepath, writer, group, units, states, event)
         job.start()
         return job
 
@@ -193,7 +196,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         if not self.async_checkpoint:
             return False
         state = self.lightning_module.trainer.state
-        if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or getattr(self, "_background_closed", False):
+        if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or self._checkpoint_state.background_closed:
             reason = (
                 "it is saved outside `Trainer.fit` (or after its teardown began), which waits for a save in flight"
                 " at its end"
@@ -202,8 +205,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             reason = "`PL_CHECKPOINT_GLOO_GROUP=0`: the background thread needs a gloo group of its own"
         else:
             return True
-        if reason != getattr(self, "_last_synchronous_reason", None):
-            self._last_synchronous_reason = reason
+        if reason != self._checkpoint_state.last_synchronous_reason:
+            self._checkpoint_state.last_synchronous_reason = reason
             rank_zero_info(
                 f"`DDPFullyShardedStrategy(async_checkpoint=True)`: the checkpoint is saved synchronously, because {reason}."
             )
@@ -214,8 +217,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         optimizer state, in the order the placeholders of ``stream`` were made; on global rank 0 with their places."""
         # the copies of the previous save in the background, reused where they fit: allocating (and, on the CPU,
         # faulting in) a shard-sized buffer per tensor costs more than the copy itself
-        pool = _HostCopies(getattr(self, "_host_copy_pool", []))
-        self._host_copy_pool = []
+        pool = _HostCopies(self._checkpoint_state.host_copy_pool)
+        self._checkpoint_state.host_copy_pool = []
         by_source: Dict[Tuple[int, int], List[torch.Tensor]] = {}
         for key, source in stream.model_sources.items():
             by_source.setdefault(source, []).append(stream.model[key])
@@ -242,7 +245,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         if job is not None:
             # until the save in flight is committed, this file may be the only complete checkpoint on disk
             job.removals.append(filepath)
@@ -257,16 +260,16 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
     @override
     def setup_environment(self) -> None:
         # a new ``Trainer.fit`` (or another stage): saves may go to the background again until its teardown
-        self._background_closed = False
+        self._checkpoint_state.background_closed = False
         super().setup_environment()
 
     @override
     def teardown(self) -> None:
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         trainer = getattr(self.lightning_module, "trainer", None)
         # from here on nothing waits for a save in the background: ``on_fit_end`` and ``teardown`` hooks save
         # synchronously
-        self._background_closed = True
+        self._checkpoint_state.background_closed = True
         try:
             if job is not None and trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
                 # another error stops this rank, maybe alone: no collective, only this rank's part of the save
@@ -275,7 +278,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
                 self.wait_for_checkpoint()
         finally:
             # the host copies kept for the next save in the background: there is none before the next fit
-            self._host_copy_pool = []
+            self._checkpoint_state.host_copy_pool = []
             if job is None or not job.running():
                 # an abandoned save's threads still use the group until their next agreement
                 self._drop_background_process_group()
@@ -283,13 +286,13 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
 
     def _in_flight_checkpoint_path(self) -> Optional[_PATH]:
         """The path of the checkpoint being saved in the background, ``None`` if none is."""
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         return None if job is None else job.filepath
 
     def _run_once_committed(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on this rank once the checkpoint being saved in the background is committed, in the
         training thread (never if it fails); at once if none is in flight."""
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         if job is None:
             callback()
         else:
@@ -301,7 +304,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         go on with their own parts, so the save completes where every rank gets here; where a rank died it fails at
         the background group's timeout. A second ``KeyboardInterrupt`` while waiting abandons the save: every
         thread stops at its next agreement and the temporary file is removed."""
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         if job is None:
             return
         path = str(job.filepath)
@@ -312,16 +315,16 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             job.join()
         except KeyboardInterrupt:
             job.abandon()
-            self._checkpoint_in_flight = None
+            self._checkpoint_state.in_flight = None
             # its thread may still use the group until its next agreement: the next save makes a new one
-            self._async_checkpoint_group = None
+            self._checkpoint_state.background_group = None
             log.error(
                 f"The checkpoint being saved to {path!r} in the background was abandoned: unless it was complete"
                 " already, the file at that path is the previous one, and the files it was to replace are kept."
             )
             return
-        self._checkpoint_in_flight = None
-        self._host_copy_pool = []
+        self._checkpoint_state.in_flight = None
+        self._checkpoint_state.host_copy_pool = []
         self._drop_background_process_group()
         self._remove_replaced_checkpoints(job)
         if job.error is not None:
@@ -336,7 +339,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
 
 class _BackgroundSave:
     """One checkpoint written in the background: on every rank a thread sends this rank's shards to global rank 0,
-    unit by unit, over the strategy's ``_async_checkpoint_group``; rank 0 writes them into ``writer`` and commits it
+    unit by unit, over the strategy's background group (``_checkpoint_state.background_group``); rank 0 writes them into ``writer`` and commits it
     if every rank succeeded.
 
     The ranks agree before each gather (see :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`,
@@ -368,7 +371,7 @@ class _BackgroundSave:
             # the group, not ``self``: a cycle through this job would keep the group, and its gloo threads, alive
             # until a garbage collection, maybe the finalizing interpreter's (see ``checkpoint_groups``)
             def exchange(failed: bool) -> List[int]:
-                return _exchange_failure_flags(strategy, failed, buffers, group)
+                return _flagged_ranks(_exchange_flags(strategy, failed, buffers, group))
 
         else:
 

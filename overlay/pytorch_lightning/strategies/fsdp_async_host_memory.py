@@ -61,7 +61,7 @@ def _host_copy_need(strategy: Any, stream: _CheckpointStream) -> Tuple[int, str]
         for index, optimizer in enumerate(strategy.optimizers):
             sources += [value.reshape(-1) for _, _, value, _ in strategy._streamed_optimizer_tensors(optimizer, index)]
     reusable = Counter(
-        _HostCopies._key(b.shape, b.dtype, b.is_pinned()) for b in getattr(strategy, "_host_copy_pool", [])
+        _HostCopies._key(b.shape, b.dtype, b.is_pinned()) for b in strategy._checkpoint_state.host_copy_pool
     )
     pageable = pinned = copies = 0
     for source in sources:

@@ -21,9 +21,10 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _checkpoint_timeout,
     _close_checkpoint_process_group,
     _ClosedCheckpointGroup,
-    _exchange_failure_flags,
-    _exchange_flag_values,
+    _exchange_flags,
+    _failed_ranks,
     _failure_flag_buffers,
+    _flagged_ranks,
     FINAL_EXCHANGE_FLAG,
     _new_checkpoint_process_group,
     _not_every_rank_began,
@@ -41,19 +42,20 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
     """Methods of ``DDPFullyShardedStrategy`` that keep the ranks together when a checkpoint step fails on one."""
 
     def _setup_checkpoint_process_group(self) -> None:
-        group = getattr(self, "_checkpoint_process_group", None)
+        state = self._checkpoint_state
+        group = state.checkpoint_group
         if group is not None:
             # a later stage (every rank gets here, and every rank has a group): replace the group where a failed
             # collective closed it on any rank, on every rank at once, since creating a group takes all of them
             if self.reduce_boolean_decision(not isinstance(group, _ClosedCheckpointGroup)):
                 return
             if isinstance(group, _ClosedCheckpointGroup):
-                self._checkpoint_process_group = None
+                state.checkpoint_group = None
             else:
-                _release_process_group(self, "_checkpoint_process_group")
+                _release_process_group(state, "checkpoint_group")
         # the group for the checkpoint failure-flag exchange, which waits for rank 0's writes as long as
         # ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
-        _hold_process_group(self, "_checkpoint_process_group", _new_checkpoint_process_group(self))
+        _hold_process_group(state, "checkpoint_group", _new_checkpoint_process_group(self))
 
     def _agree_on_checkpoint_arrival(self, action: str) -> None:
         """Return once every rank has begun this checkpoint save, before any other collective of it. Collective.
@@ -81,15 +83,16 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         try:
             if bounded:
                 group.set_timeout(waited)
-            _exchange_flag_values(self, 0, group=group)
+            _exchange_flags(self, 0, group=group)
         except Exception as ex:
             _close_checkpoint_process_group(self, f"the ranks did not all begin a checkpoint save ({action})")
             raise _not_every_rank_began(action, type(self).__name__, waited, ex) from ex
         if bounded:
             group.set_timeout(_checkpoint_timeout())
 
-    def _gather_state_dict_on_every_rank(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """``gather()``, FairScale's collective state-dict gather, or ``None`` where it failed on any rank.
+    def _gather_full_state_dict(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """``gather()``, FairScale's collective state-dict gather (to global rank 0 with
+        ``state_dict_on_rank_0_only=True``), or ``None`` where it failed on any rank.
 
         First the ranks check that they have the host memory for what they will hold (see
         :meth:`_check_host_memory_for_checkpoint`); if the ranks under one bound do not, no rank gathers anything.
@@ -101,13 +104,15 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         """
         modules = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
         memory_error, short_ranks = self._check_host_memory_for_checkpoint(modules)
-        # read by ``optimizer_state``: then no rank consolidates the optimizer state of this save either
-        self._checkpoint_abandoned = bool(short_ranks)
+        session = self._checkpoint_state.gathering_session()
+        if session is not None:
+            # read by ``optimizer_state``: then no rank consolidates the optimizer state of this save either
+            session.abandoned = bool(short_ranks)
         if short_ranks:
             # no rank gathers: a rank that ran out of host memory in the middle of the gather would be killed
             if memory_error is not None:
                 self._record_checkpoint_error(memory_error)
-            elif not getattr(self, "_defer_checkpoint_errors", False):
+            elif session is None:
                 raise RuntimeError(
                     f"The state dict was not gathered: global rank {short_ranks[0]} lacks the host memory for it."
                 )
@@ -123,9 +128,7 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
                 guard.record(ex)
             finally:
                 _reset_interrupted_gathers(modules)
-        if guard.settle():
-            self._checkpoint_abandoned = True
-            self._record_checkpoint_error(guard.error_to_raise())
+        if self._abandon_checkpoint_if_failed(guard):
             return None
         return state_dict
 
@@ -194,38 +197,29 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
                 state_dict = _full_state_dict_bytes(modules)
                 needed += state_dict
                 held.append(f"the state dict, {format_bytes(state_dict)}")
-        saving_optimizers = getattr(self, "_defer_checkpoint_errors", False) and not getattr(
-            self, "_checkpoint_weights_only", False
-        )
+        session = self._checkpoint_state.gathering_session()
+        saving_optimizers = session is not None and not session.weights_only
         if saving_optimizers and self.global_rank == 0:
             optimizer_states = _consolidated_optimizer_state_bytes(self.optimizers, modules)
             needed += optimizer_states
             held.append(f"the consolidated optimizer state, {format_bytes(optimizer_states)}")
         return needed, " and ".join(held) or "nothing"
 
-    def _exchange_checkpoint_failure_flags(
-        self, failed: bool, buffers: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None
-    ) -> List[int]:
-        """The global ranks that report ``failed``. Collective when more than one process runs."""
-        if not distributed_available() or self.world_size < 2:
-            return [self.global_rank] if failed else []
-        return _exchange_failure_flags(self, failed, buffers)
-
     def _new_collective_guard(self) -> _CollectiveGuard:
         """The guard of one per-unit loop of a checkpoint (see
         :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`). Its agreements exchange over tensors
         allocated here, before the loop's first step: a rank that ran out of memory still takes part in them."""
         if not distributed_available() or self.world_size < 2:
-            return _CollectiveGuard(lambda failed: self._exchange_checkpoint_failure_flags(failed))
+            return _CollectiveGuard(lambda failed: _failed_ranks(self, failed))
         buffers = _failure_flag_buffers(self)
 
         def exchange(failed: bool) -> List[int]:
-            flags = _exchange_flag_values(self, failed, buffers)
-            failed_ranks = [rank for rank, flag in enumerate(flags) if flag]
+            flags = _exchange_flags(self, failed, buffers)
+            failed_ranks = _flagged_ranks(flags)
             if FINAL_EXCHANGE_FLAG in flags:
                 # a rank that failed outside the loop is in the final exchange of the save (or load) already, and
                 # goes on to broadcast its error: this rank joins it there, with these flags, after leaving the loop
-                self._checkpoint_final_flags = failed_ranks
+                self._checkpoint_state.final_flags = failed_ranks
             return failed_ranks
 
         return _CollectiveGuard(exchange)
@@ -233,18 +227,30 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
     def _record_checkpoint_error(self, error: BaseException) -> None:
         """Called at the end of a per-unit loop of :meth:`lightning_module_state_dict` or :meth:`optimizer_state`
         that failed on this rank (a ``_PeerFailed`` on the ranks that stopped because another one failed): while
-        ``Trainer.save_checkpoint`` gathers the state (``_defer_checkpoint_errors``), the first ``error`` is kept
+        ``Trainer.save_checkpoint`` gathers the state (its session is gathering), the first ``error`` is kept
         instead of raised, since the ranks go on into the next collectives of the checkpoint (the failure-flag
         exchanges); the save takes it (``_pop_checkpoint_error``) once all of them have run and raises it on every
         rank, before anything is written. Called outside a save, this raises ``error``."""
-        if not getattr(self, "_defer_checkpoint_errors", False):
+        session = self._checkpoint_state.gathering_session()
+        if session is None:
             raise error
-        if getattr(self, "_checkpoint_error", None) is None:
-            self._checkpoint_error = error
+        session.record(error)
 
     def _pop_checkpoint_error(self) -> Optional[BaseException]:
-        error, self._checkpoint_error = getattr(self, "_checkpoint_error", None), None
-        return error
+        session = self._checkpoint_state.session
+        return None if session is None else session.pop_error()
+
+    def _abandon_checkpoint_if_failed(self, guard: _CollectiveGuard) -> bool:
+        """Settle ``guard`` (collective); if its loop failed on any rank, record the error for
+        ``Trainer.save_checkpoint`` to raise on every rank (see ``_record_checkpoint_error``), let the rest of this
+        save gather nothing more, and return ``True``."""
+        if not guard.settle():
+            return False
+        session = self._checkpoint_state.gathering_session()
+        if session is not None:
+            session.abandoned = True
+        self._record_checkpoint_error(guard.error_to_raise())
+        return True
 
 
 class _HostMemoryShortfall(NamedTuple):

@@ -82,7 +82,8 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         Args:
             optimizer: the optimizer whose state is saved.
         """
-        if getattr(self, "_defer_checkpoint_errors", False) and getattr(self, "_checkpoint_abandoned", False):
+        session = self._checkpoint_state.gathering_session()
+        if session is not None and session.abandoned:
             # this save already failed on every rank (a rank lacks the host memory for it, or a gather failed on one,
             # see ``lightning_module_state_dict``), so none of them consolidates anything either
             return {}
@@ -138,16 +139,6 @@ class FSDPOptimizerStateMixin(DDPStrategy):
             except Exception as ex:
                 guard.record(ex)
                 return None
-
-    def _abandon_checkpoint_if_failed(self, guard: _CollectiveGuard) -> bool:
-        """Settle ``guard`` (collective); if its loop failed on any rank, record the error for
-        ``Trainer.save_checkpoint`` to raise on every rank (see ``_record_checkpoint_error``), let the rest of this
-        save gather nothing more, and return ``True``."""
-        if not guard.settle():
-            return False
-        self._checkpoint_abandoned = True
-        self._record_checkpoint_error(guard.error_to_raise())
-        return True
 
     def _gather_local_optimizer_states(self, state: Dict[str, Any], guard: _CollectiveGuard) -> Dict[str, Any]:
         """Every rank's local optimizer state, on the CPU of global rank 0, received one rank at a time.

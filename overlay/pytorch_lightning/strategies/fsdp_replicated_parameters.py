@@ -76,7 +76,7 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
     def _warn_about_split_parameters(self) -> None:
         # FairScale's FSDP keeps a parameter shared only between modules inside one FSDP instance: flattening takes
         # it out of the modules of the instance, and a module outside it keeps the original, now a parameter apart
-        groups, self._parameters_shared_before_wrapping = getattr(self, "_parameters_shared_before_wrapping", []), []
+        groups, self._parameters_shared_before_wrapping = self._parameters_shared_before_wrapping, []
         if not groups:
             return
         module = self.lightning_module

@@ -22,6 +22,7 @@ from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAIL
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
 from pytorch_lightning.plugins.precision import PrecisionPlugin
 from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_optimizer_state import _root_optimizer_state
 from pytorch_lightning.strategies.fsdp_restore import _clean_fsdp_key
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure
@@ -54,23 +55,34 @@ class FSDPStreamDecisionMixin(DDPStrategy):
             return self._streamed_optimizer_state(optimizer, stream)
         return super().optimizer_state(optimizer)
 
-    def _prepare_checkpoint_stream(
+    def _begin_checkpoint_save(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
-    ) -> None:
-        """Called by ``Trainer.save_checkpoint`` on every rank before the checkpoint is put together: decides
-        whether this save is streamed (see ``stream_checkpoint``) and logs the decision when it changes."""
+    ) -> _SaveSession:
+        """Called by ``Trainer.save_checkpoint`` on every rank before the checkpoint is put together: the session of
+        this save, which says whether it is streamed (see ``stream_checkpoint``); the decision is logged when it
+        changes. Collective."""
+        reason = self._decide_checkpoint_stream(filepath, storage_options)
+        session = _SaveSession(filepath, weights_only, stream=None if reason else _CheckpointStream(weights_only))
+        self._checkpoint_state.session = session
+        if reason is None or self.stream_checkpoint:
+            self._log_checkpoint_stream_decision(reason)
+        return session
+
+    def _decide_checkpoint_stream(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
+        """Global rank 0's reason why this save cannot be streamed, or ``None`` if it can, on every rank."""
         try:
-            reason = self._checkpoint_stream_unavailable(filepath, storage_options)
+            reason = self._reason_checkpoint_cannot_stream(filepath, storage_options)
         except Exception as ex:
             reason = f"deciding it failed ({type(ex).__name__}: {ex})"
         if self._is_distributed_run():
             # rank 0's decision, so that every rank takes the same collectives (a callback may exist on one rank only)
             reason = _broadcast_failure(self, reason, src=0)
-        self._checkpoint_stream = None if reason else _CheckpointStream(weights_only)
-        if reason is not None and not self.stream_checkpoint:
-            return
-        if reason != getattr(self, "_last_checkpoint_stream_reason", False):
-            self._last_checkpoint_stream_reason = reason
+        return reason
+
+    def _log_checkpoint_stream_decision(self, reason: Optional[str]) -> None:
+        state = self._checkpoint_state
+        if reason != state.last_stream_reason:
+            state.last_stream_reason = reason
             if reason is None:
                 rank_zero_info(
                     "`DDPFullyShardedStrategy`: global rank 0 writes checkpoints while their FSDP units are"
@@ -82,7 +94,7 @@ class FSDPStreamDecisionMixin(DDPStrategy):
                     f" not streamed, because {reason}."
                 )
 
-    def _checkpoint_stream_unavailable(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
+    def _reason_checkpoint_cannot_stream(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
         """Why this save cannot be streamed, or ``None`` if it can. The same on every rank."""
         if not self.stream_checkpoint:
             return "`stream_checkpoint=False`"
@@ -151,9 +163,8 @@ class FSDPStreamDecisionMixin(DDPStrategy):
     def _active_checkpoint_stream(self) -> Optional["_CheckpointStream"]:
         # only while ``Trainer.save_checkpoint`` gathers the state: ``lightning_module_state_dict`` and
         # ``optimizer_state`` called any other way return the state itself
-        if not getattr(self, "_defer_checkpoint_errors", False):
-            return None
-        return getattr(self, "_checkpoint_stream", None)
+        session = self._checkpoint_state.gathering_session()
+        return None if session is None else session.stream
 
     def _streamed_model_state_dict(self, stream: "_CheckpointStream") -> Dict[str, Any]:
         """The LightningModule's state dict as FairScale's ``state_dict()`` builds it, with placeholders instead

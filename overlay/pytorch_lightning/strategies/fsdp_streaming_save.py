@@ -15,8 +15,9 @@ from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAIL
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
 from pytorch_lightning.strategies.fsdp_optimizer_state import _gather_buffers, _gather_into, _root_optimizer_state
 from pytorch_lightning.strategies.fsdp_restore import _own_parameters
+from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream, FSDPStreamDecisionMixin
-from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure
+from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _failed_ranks
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.streamed_checkpoint_file import _NotStreamable, _StreamedCheckpointFile
@@ -32,26 +33,29 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
     def _save_checkpoint_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
         """Write ``checkpoint`` while gathering the state its placeholders stand for, if this save was prepared to
         stream (see ``stream_checkpoint``), and return whether it was. Collective then."""
-        stream, self._checkpoint_stream = self._checkpoint_stream, None
+        session = self._checkpoint_state.session
+        stream = None if session is None else session.stream
+        if session is not None:
+            session.stream = None  # the placeholders are written once
         if stream is None or not stream.started or checkpoint.get("state_dict") is not stream.model_state_dict:
             return False
-        self._save_checkpoint_streamed(checkpoint, filepath, stream)
+        self._save_checkpoint_streamed(checkpoint, filepath, stream, session)
         return True
 
     def _save_checkpoint_streamed(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
     ) -> None:
         """Global rank 0 writes the checkpoint's structure, then every rank gathers the FSDP units and their
         optimizer state one at a time while rank 0 writes each into its place. Collective.
 
         The file appears at ``filepath`` only if every rank succeeded; a failure on any rank leaves the previous
         file untouched and is raised on that rank (``Trainer.save_checkpoint`` then raises it on every rank)."""
-        streams, writer = self._write_streamed_skeleton(checkpoint, filepath, stream)
+        streams, writer = self._write_streamed_skeleton(checkpoint, filepath, stream, session)
         if streams:
             self._write_streamed_units(stream, writer)
 
     def _write_streamed_skeleton(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
     ) -> Tuple[bool, Optional[_StreamedCheckpointFile]]:
         """Global rank 0 writes the checkpoint's structure into a new temporary file (see
         :meth:`_StreamedCheckpointFile.write_skeleton`); the ranks learn whether it did. Collective.
@@ -81,7 +85,7 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
                 "`DDPFullyShardedStrategy`: the checkpoint is gathered on global rank 0 before it is written, not"
                 f" streamed, because {decision[len('whole: '):]}."
             )
-            self._save_checkpoint_gathered(checkpoint, filepath, stream)
+            self._save_checkpoint_gathered(checkpoint, filepath, stream, session)
             return False, None
         return True, writer
 
@@ -110,19 +114,15 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         guard.raise_if_failed()
 
     def _save_checkpoint_gathered(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
     ) -> None:
         """Gather the state the placeholders of ``stream`` stand for, put it in their place and save the checkpoint
         as a whole, as without ``stream_checkpoint``. Collective."""
-        self._checkpoint_stream = None
-        self._defer_checkpoint_errors = True
-        try:
+        with session.gathering_state():
             state_dict = self.lightning_module_state_dict()
             optimizer_states = [] if stream.weights_only else [self.optimizer_state(o) for o in self.optimizers]
-        finally:
-            self._defer_checkpoint_errors = False
-        error = self._pop_checkpoint_error()
-        if self._exchange_checkpoint_failure_flags(error is not None):
+        error = session.pop_error()
+        if _failed_ranks(self, error is not None):
             if error is not None:
                 raise error
             return

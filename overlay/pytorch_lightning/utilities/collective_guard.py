@@ -49,7 +49,7 @@ class _CollectiveGuard:
 
     Args:
         exchange: the exchange of failure flags, a collective that returns the global ranks that report ``True``
-            (``DDPFullyShardedStrategy._exchange_checkpoint_failure_flags``).
+            (:func:`~pytorch_lightning.utilities.checkpoint_errors._exchange_flags`).
     """
 
     def __init__(self, exchange: Callable[[bool], List[int]]) -> None:
