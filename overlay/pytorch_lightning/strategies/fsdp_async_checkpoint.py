@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from typing_extensions import override
 
-from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit
+from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit, _shards_to_copy
+from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _piece_offsets
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.strategies.fsdp_streaming_save import FSDPStreamingSaveMixin
@@ -32,9 +33,9 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _new_checkpoint_process_group,
 )
 from pytorch_lightning.utilities.checkpoint_groups import _hold_process_group, _release_process_group
-from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _gather_to_first_rank
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
+from pytorch_lightning.utilities.streamed_checkpoint_file import _committed_if_complete, _StreamedCheckpointFile
 from pytorch_lightning.utilities.types import _PATH
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,13 @@ class _StateShard(NamedTuple):
     shard: torch.Tensor
     numel: int
     placeholder: Optional[torch.Tensor]
+
+
+class _ShardCopies(NamedTuple):
+    """This rank's copies of its shards for one save in the background, in the order of the placeholders."""
+
+    units: List[_UnitShard]
+    states: List[_StateShard]
 
 
 class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
@@ -140,12 +148,12 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         job: Optional[_BackgroundSave] = None
         try:
             with guard.catch():
-                units, states = self._copy_shards(stream)
+                copies = self._copy_shards(stream)
             if guard.agree():
                 # collective, and it raises on every rank if it failed on any: made only once every rank has its copies
                 group = self._background_process_group()
                 with guard.catch():
-                    job = self._new_background_save(writer, group, units, states)
+                    job = self._new_background_save(writer, group, copies)
             failed_ranks = guard.settle()
         except BaseException:
             _abandon_start(job, writer)
@@ -178,8 +186,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         self,
         writer: Optional[_StreamedCheckpointFile],
         group: Optional[Any],
-        units: List[_UnitShard],
-        states: List[_StateShard],
+        copies: "_ShardCopies",
     ) -> "_BackgroundSave":
         """A started :class:`_BackgroundSave` whose thread waits for :meth:`_BackgroundSave.launch`."""
         event = None
@@ -187,7 +194,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             # the copies to pinned host memory were queued on the current stream: the thread waits for them
             event = torch.cuda.Event()
             event.record()
-        job = _BackgroundSave(self, self._checkpoint_state.session.filepath, writer, group, units, states, event)
+        job = _BackgroundSave(self, self._checkpoint_state.session.filepath, writer, group, copies, event)
         job.start()
         return job
 
@@ -212,7 +219,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             )
         return False
 
-    def _copy_shards(self, stream: _CheckpointStream) -> Tuple[List[_UnitShard], List[_StateShard]]:
+    def _copy_shards(self, stream: _CheckpointStream) -> _ShardCopies:
         """This rank's copies of its shards of the FSDP parameters and, unless the save is weights-only, of their
         optimizer state, in the order the placeholders of ``stream`` were made; on global rank 0 with their places."""
         # the copies of the previous save in the background, reused where they fit: allocating (and, on the CPU,
@@ -222,26 +229,20 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         by_source: Dict[Tuple[int, int], List[torch.Tensor]] = {}
         for key, source in stream.model_sources.items():
             by_source.setdefault(source, []).append(stream.model[key])
+        flats, tensors = _shards_to_copy(self, stream.weights_only)
         units = []
-        for instance in self._fsdp_modules():
-            for flat in instance.params:
-                starts = [0]
-                for numel in flat._param_numels:
-                    starts.append(starts[-1] + numel)
-                pieces = [
-                    (placeholder, starts[i], starts[i + 1])
-                    for i in range(len(flat._param_numels))
-                    for placeholder in by_source.get((id(flat), i), [])
-                ]
-                shard = getattr(flat, "_fp32_shard", flat.data)
-                units.append(_UnitShard(pool.copy(shard), starts[-1], pieces))
-        states = []
-        if not stream.weights_only:
-            for index, optimizer in enumerate(self.optimizers):
-                for _, key, value, numel in self._streamed_optimizer_tensors(optimizer, index):
-                    placeholder = stream.optimizer_placeholders.get(key)
-                    states.append(_StateShard(pool.copy(value.reshape(-1)), numel, placeholder))
-        return units, states
+        for flat in flats:
+            starts = _piece_offsets(flat)
+            pieces = [
+                (placeholder, starts[i], starts[i + 1])
+                for i in range(len(flat._param_numels))
+                for placeholder in by_source.get((id(flat), i), [])
+            ]
+            units.append(_UnitShard(pool.copy(_flat_shard(flat)), starts[-1], pieces))
+        states = [
+            _StateShard(pool.copy(value), numel, stream.optimizer_placeholders.get(key)) for key, value, numel in tensors
+        ]
+        return _ShardCopies(units, states)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -353,13 +354,12 @@ class _BackgroundSave:
         filepath: _PATH,
         writer: Optional[_StreamedCheckpointFile],
         group: Optional[Any],
-        units: List[_UnitShard],
-        states: List[_StateShard],
+        copies: "_ShardCopies",
         event: Optional[Any],
     ) -> None:
-        self.writer, self.units, self.states, self.event = writer, units, states, event
+        self.writer, self.units, self.states, self.event = writer, copies.units, copies.states, event
         #: the host copies, handed back for the next save once this one is done
-        self.copies = [unit.shard for unit in units] + [state.shard for state in states]
+        self.copies = [unit.shard for unit in copies.units] + [state.shard for state in copies.states]
         self.filepath = filepath
         self.rank, self.world_size = strategy.global_rank, strategy.world_size
         self.group = group
@@ -453,51 +453,34 @@ class _BackgroundSave:
         try:
             if self.event is not None:
                 self.event.synchronize()
-            for unit in self.units:
-                shards = self._gather(unit.shard)
-                if shards is None:
-                    break
-                if self.writer is not None:
-                    with guard.catch():
-                        _write_pieces(self.writer, unit, shards)
-            for state in self.states:
-                shards = self._gather(state.shard)
-                if shards is None:
-                    break
-                if self.writer is not None:
-                    with guard.catch():
-                        _write_flat(self.writer, state, shards)
-            failed_ranks = guard.settle()
-            if self.writer is not None:
-                if failed_ranks:
-                    self.writer.discard()
-                else:
-                    self.writer.commit()
-                    self.committed = True
-                    if self.abandoned:
-                        log.warning(f"The abandoned checkpoint {str(self.filepath)!r} was complete: it is committed.")
+            with _committed_if_complete(self.writer):
+                self._gather_and_write()
+                if not guard.settle() and self.writer is not None:
+                    self.writer.complete = True
+            self.committed = self.writer is not None and self.writer.committed
+            if self.committed and self.abandoned:
+                log.warning(f"The abandoned checkpoint {str(self.filepath)!r} was complete: it is committed.")
             self.error = guard.error_to_raise()
         except BaseException as ex:
             # e.g. the group's timeout: this rank's own error, raised by ``wait_for_checkpoint`` on every rank
             self.error = ex
-            if self.writer is not None:
-                self.writer.discard()
         finally:
             self.units, self.states = [], []
 
-    def _gather(self, shard: torch.Tensor) -> Optional[List[torch.Tensor]]:
-        """Every rank's ``shard`` on global rank 0 (``[]`` on the others), or ``None`` once a rank failed."""
-        guard = self.guard
-        received = None
-        if self.rank == 0 and self.world_size > 1 and not guard.stopped:
-            with guard.catch():
-                received = [torch.empty_like(shard) for _ in range(self.world_size)]
-        if not guard.agree():
-            return None
-        if self.world_size == 1:
-            return [shard]
-        torch.distributed.gather(shard, received, dst=0, group=self.group)
-        return received if self.rank == 0 else []
+    def _gather_and_write(self) -> None:
+        """Gather every rank's shards to global rank 0, one tensor at a time, and write each piece into its place
+        there; stops on every rank once a rank failed."""
+        pieces = [(unit.shard, unit.numel, unit.pieces) for unit in self.units]
+        # an optimizer-state tensor is flat, as FairScale consolidates it: one piece, the whole tensor
+        pieces += [(state.shard, state.numel, [(state.placeholder, 0, state.numel)]) for state in self.states]
+        for shard, numel, places in pieces:
+            shards = _gather_to_first_rank(shard, self.guard, self.group, self.world_size)
+            if shards is None:
+                return
+            if self.writer is not None:
+                with self.guard.catch():
+                    for placeholder, start, end in places:
+                        self.writer.write_shards(placeholder, shards, numel, start, end)
 
 
 class _HostCopies:
@@ -531,30 +514,6 @@ def _abandon_start(job: Optional[_BackgroundSave], writer: Optional[_StreamedChe
         job.cancel()
     if writer is not None:
         writer.discard()
-
-
-def _valid_ranges(shards: List[torch.Tensor], numel: int) -> List[Tuple[int, int]]:
-    """For each rank's shard of a flat tensor of ``numel`` elements, the range of the flat tensor it holds (FSDP pads
-    the last shards with zeros)."""
-    chunk = shards[0].numel()
-    return [(min(rank * chunk, numel), min((rank + 1) * chunk, numel)) for rank in range(len(shards))]
-
-
-def _write_pieces(writer: _StreamedCheckpointFile, unit: _UnitShard, shards: List[torch.Tensor]) -> None:
-    """Write each piece of a flat parameter into its placeholder, straight from the ranks' shards."""
-    ranges = _valid_ranges(shards, unit.numel)
-    for placeholder, start, end in unit.pieces:
-        for shard, (lo, hi) in zip(shards, ranges):
-            first, last = max(start, lo), min(end, hi)
-            if first < last:
-                writer.write(placeholder, shard[first - lo : last - lo], element_offset=first - start)
-
-
-def _write_flat(writer: _StreamedCheckpointFile, state: _StateShard, shards: List[torch.Tensor]) -> None:
-    """Write an optimizer-state tensor, flat as FairScale consolidates it, into its placeholder."""
-    for shard, (lo, hi) in zip(shards, _valid_ranges(shards, state.numel)):
-        if lo < hi:
-            writer.write(state.placeholder, shard[: hi - lo], element_offset=lo)
 
 
 def _note_on_current_exception(note: str) -> None:

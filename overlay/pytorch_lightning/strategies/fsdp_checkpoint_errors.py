@@ -12,6 +12,7 @@ import torch
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _fsdp_instances
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives, _reset_interrupted_gathers
 from pytorch_lightning.utilities.checkpoint_errors import (
     _all_gather_objects,
@@ -102,7 +103,7 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         the unit's tensors), stops every rank before the next collective. The error is raised by
         ``Trainer.save_checkpoint`` on every rank before anything is written (see :meth:`_record_checkpoint_error`).
         """
-        modules = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
+        modules = _fsdp_instances(self.lightning_module)
         memory_error, short_ranks = self._check_host_memory_for_checkpoint(modules)
         session = self._checkpoint_state.gathering_session()
         if session is not None:
@@ -121,11 +122,10 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         state_dict = None
         with _catching_state_dict_hooks(modules, guard), _agreeing_fairscale_collectives(guard, self._process_group):
             try:
-                state_dict = gather()
+                with guard.catch():
+                    state_dict = gather()
             except _PeerFailed:
-                pass
-            except Exception as ex:
-                guard.record(ex)
+                pass  # another rank failed: this one stopped with it
             finally:
                 _reset_interrupted_gathers(modules)
         if self._abandon_checkpoint_if_failed(guard):
@@ -277,7 +277,7 @@ def _full_state_dict_bytes(modules: List["FullyShardedDataParallel"]) -> int:
     for module in modules:
         for param in module.params:
             size = getattr(param, "_orig_size", param.shape)
-            total += size.numel() * getattr(param, "_fp32_shard", param).element_size()
+            total += size.numel() * _flat_shard(param).element_size()
     buffers = {id(b): (b, m.mixed_precision) for m in modules for b in m.buffers()}
     for buffer, mixed_precision in buffers.values():
         full_precision = mixed_precision and buffer.is_floating_point()

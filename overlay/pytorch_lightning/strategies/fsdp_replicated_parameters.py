@@ -15,6 +15,7 @@ from typing_extensions import override
 import pytorch_lightning as pl
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
@@ -48,9 +49,7 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
             # as ``model_to_device`` does without ``cpu_offload``: ``LightningModule.device`` is where it computes
             self.lightning_module._device = self.root_device
         self._warn_about_split_parameters()
-        managed = {
-            id(p) for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel) for p in m.params
-        }
+        managed = {id(p) for m in _fsdp_instances(self.lightning_module) for p in m.params}
         named = [(n, p) for n, p in self.lightning_module.named_parameters() if id(p) not in managed]
         self._replicated_parameters = [p for _, p in named]
         if not named:
@@ -82,7 +81,7 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
         module = self.lightning_module
         present = {id(m) for m in module.modules()}
         flat_owner: Dict[Tuple[int, str], int] = {}
-        for instance in (m for m in module.modules() if isinstance(m, FullyShardedDataParallel)):
+        for instance in _fsdp_instances(module):
             for flat in instance.params:
                 for _, submodule, name in getattr(flat, "_param_infos", []):
                     flat_owner[(id(submodule), name)] = id(flat)
@@ -203,7 +202,7 @@ def _to_device_outside_fsdp(module: Module, device: torch.device) -> None:
     (so that e.g. metrics move their states), a module that holds FSDP instances its own parameters and buffers."""
     if isinstance(module, FullyShardedDataParallel):
         return
-    if not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+    if not _fsdp_instances(module):
         module.to(device)
         return
     for param in module._parameters.values():

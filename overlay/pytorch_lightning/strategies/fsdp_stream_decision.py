@@ -9,7 +9,7 @@ and ``CheckpointConnector.save_checkpoint``, which calls :meth:`FSDPStreamDecisi
 """
 # fork-feature: fork/fsdp-streaming-save.patch
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -23,8 +23,13 @@ from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
 from pytorch_lightning.plugins.precision import PrecisionPlugin
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
-from pytorch_lightning.strategies.fsdp_optimizer_state import _root_optimizer_state
-from pytorch_lightning.strategies.fsdp_restore import _clean_fsdp_key
+from pytorch_lightning.strategies.fsdp_optimizer_state import (
+    _checkpointed_optimizer_state,
+    _fairscale_optimizer_state,
+    _optimizer_state_layout,
+    _root_optimizer_state,
+)
+from pytorch_lightning.strategies.fsdp_introspection import _clean_fsdp_key, _flat_parameter_pieces, _named_fsdp_instances
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.model_helpers import is_overridden
@@ -95,7 +100,18 @@ class FSDPStreamDecisionMixin(DDPStrategy):
                 )
 
     def _reason_checkpoint_cannot_stream(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
-        """Why this save cannot be streamed, or ``None`` if it can. The same on every rank."""
+        """Why this save cannot be streamed, or ``None`` if it can: the reason of the first check that finds one."""
+        instances = self._fsdp_modules()
+        checks: List[Callable[[], Optional[str]]] = [
+            lambda: self._reason_in_configuration(filepath, storage_options),
+            lambda: _reason_in_fsdp_instances(instances, self.process_group),
+            lambda: _reason_in_optimizer_state(self.optimizers, instances),
+            self._reason_in_overrides,
+            self._reason_in_custom_state_dicts,
+        ]
+        return next((reason for reason in (check() for check in checks) if reason is not None), None)
+
+    def _reason_in_configuration(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
         if not self.stream_checkpoint:
             return "`stream_checkpoint=False`"
         if not self.state_dict_on_rank_0_only:
@@ -108,27 +124,10 @@ class FSDPStreamDecisionMixin(DDPStrategy):
             return f"the checkpoint is saved by a custom `{type(self.checkpoint_io).__name__}.save_checkpoint`"
         if not isinstance(get_filesystem(filepath), LocalFileSystem):
             return f"{str(filepath)!r} is not a local path"
-        instances = self._fsdp_modules()
-        if not instances:
-            return "the LightningModule has no FSDP instances"
-        if any(not m.flatten_parameters for m in instances):
-            return "FSDP instances have `flatten_parameters=False`"
-        if any(m.state_dict_device.type != "cpu" for m in instances):
-            return "`state_dict_to_cpu=False`"
-        if any(m.no_broadcast_optim_state for m in instances):
-            return "FSDP instances have `no_broadcast_optim_state=True`"
-        if any(m.process_group is not self.process_group for m in instances):
-            return "FSDP instances have process groups of their own"
-        flat_params = {id(p): p for m in instances for p in m.params}
-        for optimizer in self.optimizers:
-            for param, buffers in optimizer.state.items():
-                for name, value in buffers.items():
-                    if not torch.is_tensor(value) or id(param) not in flat_params:
-                        continue
-                    if value.dim() == 0 and name != "step":
-                        return "the optimizer state has dimensionless tensors other than `step`"
-                    if value.dim() and value.numel() != param.numel():
-                        return f"the optimizer state {name!r} is not shaped like the FSDP parameter shards"
+        return None
+
+    def _reason_in_overrides(self) -> Optional[str]:
+        """The strategy methods or hooks that would see the checkpoint without its values."""
         # imported here: fully_sharded.py imports this module for the base class
         from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
 
@@ -153,8 +152,11 @@ class FSDPStreamDecisionMixin(DDPStrategy):
         if hooks:
             # hooks see the whole checkpoint with its values, as before: a streamed save has none of them yet
             return f"{', '.join(hooks)} may read or replace the state's tensors"
+        return None
+
+    def _reason_in_custom_state_dicts(self) -> Optional[str]:
         emulated = self._modules_with_or_in_fsdp()
-        custom = _custom_state_dict_methods(m for m in module.modules() if id(m) in emulated)
+        custom = _custom_state_dict_methods(m for m in self.lightning_module.modules() if id(m) in emulated)
         if custom:
             # the streamed save lays out the FSDP part of the state dict as FairScale's and torch's own code does
             return f"{', '.join(custom)} may change what the state dict holds"
@@ -174,20 +176,10 @@ class FSDPStreamDecisionMixin(DDPStrategy):
         if self.global_rank != 0:
             stream.model_state_dict = {}
             return stream.model_state_dict
-        # for each submodule, its parameters that a flat parameter holds: name, shape, dtype, and which flat
-        # parameter and which of its pieces (``_param_infos``' index; a shared parameter's is its source's)
-        owned: Dict[int, List[Tuple[str, torch.Size, torch.dtype, Tuple[int, int]]]] = {}
-        flat_ids = set()
-        for instance in self._fsdp_modules():
-            for flat in instance.params:
-                flat_ids.add(id(flat))
-                dtype = getattr(flat, "_fp32_shard", flat).dtype
-                pieces = {(m_name, n): i for i, (m_name, _, n) in enumerate(flat._param_infos)}
-                for i, ((_, submodule, name), shape) in enumerate(zip(flat._param_infos, flat._param_shapes)):
-                    owned.setdefault(id(submodule), []).append((name, shape, dtype, (id(flat), i)))
-                for _, shared_name, submodule, name, _, shared_param in flat._shared_param_infos:
-                    i = pieces[(shared_name, shared_param)]
-                    owned.setdefault(id(submodule), []).append((name, flat._param_shapes[i], dtype, (id(flat), i)))
+        instances = self._fsdp_modules()
+        # for each submodule, its parameters that a flat parameter holds
+        owned = _flat_parameter_pieces(instances)
+        flat_ids = {id(flat) for instance in instances for flat in instance.params}
         emulated = self._modules_with_or_in_fsdp()
         state_dict: Dict[str, Any] = OrderedDict()
         state_dict._metadata = OrderedDict()  # type: ignore[attr-defined]
@@ -231,8 +223,8 @@ class FSDPStreamDecisionMixin(DDPStrategy):
         """The ids of the LightningModule's submodules that are, contain or are inside an FSDP instance: their part
         of the state dict comes from FairScale's gather."""
         named = list(self.lightning_module.named_modules())
-        fsdp_names = [name for name, m in named if isinstance(m, FullyShardedDataParallel)]
-        instances = [m for _, m in named if isinstance(m, FullyShardedDataParallel)]
+        fsdp_names = [name for name, _ in _named_fsdp_instances(self.lightning_module)]
+        instances = [m for _, m in _named_fsdp_instances(self.lightning_module)]
         modules = {id(m) for instance in instances for m in instance.modules()}
         for name, module in named:
             if any(not name or inner == name or inner.startswith(name + ".") for inner in fsdp_names):
@@ -251,13 +243,7 @@ class FSDPStreamDecisionMixin(DDPStrategy):
             _streamed_root_optimizer_state(root, _root_optimizer_state(state, ids), stream, (index, j))
             for j, (root, ids) in enumerate(zip(self._outermost_fsdp_modules(), root_param_ids))
         ]
-        sharded = {i for param_ids in root_param_ids for i in param_ids if i is not None}
-        optimizer_state = {
-            "state": {i: buffers for i, buffers in state["state"].items() if i not in sharded},
-            "param_groups": state["param_groups"],
-            "fsdp_roots": consolidated,
-            "fsdp_root_param_ids": root_param_ids,
-        }
+        optimizer_state = _checkpointed_optimizer_state(state, consolidated, root_param_ids)
         stream.optimizer_states.append(optimizer_state)
         return optimizer_state
 
@@ -289,21 +275,13 @@ def _streamed_root_optimizer_state(
     """What :func:`_gather_full_optimizer_state` returns on global rank 0, built from rank 0's local ``state``
     alone: each FSDP instance's state tensors are placeholders in ``stream``, a flat one per tensor with a view per
     original parameter, as FairScale lays them out."""
-    from fairscale.nn.data_parallel import get_fsdp_instances
     from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
 
-    unflat_state: Dict[int, Dict[str, Any]] = {}
-    param_id_map: Dict[int, Optional[int]] = {}
-    next_global_id = 0
-    for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
-        global_ids = list(range(next_global_id, next_global_id + instance.num_params_managed))
-        next_global_id += len(global_ids)
-        buffers = state["state"].get(local_id)
-        param_id_map.update({global_id: None if buffers is None else local_id for global_id in global_ids})
-        if buffers is None:
-            continue
+    def placeholder_entries(
+        local_id: int, instance: "FullyShardedDataParallel", buffers: Dict[str, Any]
+    ) -> List[Dict[str, Any]]:
         flat_param = instance.params[0]
-        entries: List[Dict[str, Any]] = [{} for _ in global_ids]
+        entries: List[Dict[str, Any]] = [{} for _ in range(instance.num_params_managed)]
         for name, value in buffers.items():
             if torch.is_tensor(value) and not is_singleton_tensor(value):
                 with stream.mode:
@@ -312,18 +290,45 @@ def _streamed_root_optimizer_state(
                     values = [piece.view(shape) for piece, shape in zip(pieces, flat_param._param_shapes)]
                 stream.optimizer_placeholders[(*key, local_id, name)] = flat
             else:
-                # ``step``: an int, as FairScale stores it (``_checkpoint_stream_unavailable`` rules out others)
+                # ``step``: an int, as FairScale stores it (``_reason_checkpoint_cannot_stream`` rules out others)
                 values = [value.item() if torch.is_tensor(value) else value] * len(entries)
             for entry, value in zip(entries, values):
                 entry[name] = value
-        unflat_state.update(zip(global_ids, entries))
-    consolidated = {k: v for k, v in state.items() if k not in ("state", "param_groups")}
-    consolidated["state"] = unflat_state
-    params = list(range(next_global_id))
-    consolidated["param_groups"] = [dict(group, params=params) for group in state["param_groups"]]
-    consolidated["param_id_map"] = param_id_map
-    consolidated["uncollected_local_ids"] = []
-    return consolidated
+        return entries
+
+    return _fairscale_optimizer_state(root, state, placeholder_entries)
+
+
+_UNFLATTENED = "FSDP instances have `flatten_parameters=False`"
+
+
+def _reason_in_fsdp_instances(instances: List["FullyShardedDataParallel"], process_group: Any) -> Optional[str]:
+    """What of the FSDP instances keeps the streamed save from laying the state out as FairScale gathers it."""
+    layout = _optimizer_state_layout(instances)
+    if layout != "consolidated":
+        return "the LightningModule has no FSDP instances" if layout == "replicated" else _UNFLATTENED
+    if any(m.state_dict_device.type != "cpu" for m in instances):
+        return "`state_dict_to_cpu=False`"
+    if any(m.no_broadcast_optim_state for m in instances):
+        return "FSDP instances have `no_broadcast_optim_state=True`"
+    if any(m.process_group is not process_group for m in instances):
+        return "FSDP instances have process groups of their own"
+    return None
+
+
+def _reason_in_optimizer_state(optimizers: List[Optimizer], instances: List["FullyShardedDataParallel"]) -> Optional[str]:
+    """What of the FSDP parameters' optimizer state the streamed save has no placeholders for."""
+    flat_params = {id(p): p for m in instances for p in m.params}
+    for optimizer in optimizers:
+        for param, buffers in optimizer.state.items():
+            for name, value in buffers.items():
+                if not torch.is_tensor(value) or id(param) not in flat_params:
+                    continue
+                if value.dim() == 0 and name != "step":
+                    return "the optimizer state has dimensionless tensors other than `step`"
+                if value.dim() and value.numel() != param.numel():
+                    return f"the optimizer state {name!r} is not shaped like the FSDP parameter shards"
+    return None
 
 
 def _custom_state_dict_methods(modules: Iterable[Module]) -> List[str]:

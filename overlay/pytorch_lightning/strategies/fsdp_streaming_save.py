@@ -13,14 +13,18 @@ from torch.optim import Optimizer
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
-from pytorch_lightning.strategies.fsdp_optimizer_state import _gather_buffers, _gather_into, _root_optimizer_state
-from pytorch_lightning.strategies.fsdp_restore import _own_parameters
+from pytorch_lightning.strategies.fsdp_optimizer_state import _root_optimizer_state
+from pytorch_lightning.strategies.fsdp_introspection import _named_fsdp_instances, _own_parameters
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream, FSDPStreamDecisionMixin
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _failed_ranks
-from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _gather_to_first_rank
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from pytorch_lightning.utilities.streamed_checkpoint_file import _NotStreamable, _StreamedCheckpointFile
+from pytorch_lightning.utilities.streamed_checkpoint_file import (
+    _committed_if_complete,
+    _NotStreamable,
+    _StreamedCheckpointFile,
+)
 from pytorch_lightning.utilities.types import _PATH
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
@@ -96,21 +100,13 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         # that a failure on one rank (in FairScale's allocation of the unit's buffers too) stops every rank there;
         # the other ranks also wait for rank 0's writes there, for as long as ``PL_CHECKPOINT_TIMEOUT`` says
         guard = self._new_collective_guard()
-        try:
+        with _committed_if_complete(writer):
             self._stream_model_state(stream, writer, guard)
             if not stream.weights_only:
                 for index, optimizer in enumerate(self.optimizers):
                     self._stream_optimizer_state(optimizer, index, stream, writer, guard)
-            failed_ranks = guard.settle()
-        except BaseException:
-            if writer is not None:
-                writer.discard()
-            raise
-        if writer is not None:
-            if failed_ranks:
-                writer.discard()
-            else:
-                writer.commit()
+            if not guard.settle() and writer is not None:
+                writer.complete = True
         guard.raise_if_failed()
 
     def _save_checkpoint_gathered(
@@ -140,7 +136,7 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         write each parameter into its placeholder's place in the file. Stops on every rank once any rank failed."""
         written = set()
         module = self.lightning_module
-        instances = [(name, m) for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+        instances = _named_fsdp_instances(module)
 
         def write(prefix: str, instance: "FullyShardedDataParallel") -> None:
             if writer is not None:
@@ -186,23 +182,16 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         for root, key, value, numel in self._streamed_optimizer_tensors(optimizer, index):
             if guard.stopped:
                 return
-            shard = received = None
+            shard = None
             with guard.catch():
                 shard = value.to(root.compute_device).reshape(-1)
-                if root.world_size > 1:
-                    received = _gather_buffers(shard, root.world_size, root.process_group)
-            if not guard.agree():
+            shards = _gather_to_first_rank(shard, guard, root.process_group, root.world_size)
+            if shards is None:
                 return
-            shards = _gather_into(shard, received, root.process_group) if root.world_size > 1 else [shard]
             if writer is None:
                 continue
             with guard.catch():
-                placeholder = stream.optimizer_placeholders[key]
-                chunk = shards[0].numel()
-                for rank, values in enumerate(shards):
-                    valid = min(max(numel - rank * chunk, 0), chunk)
-                    if valid:
-                        writer.write(placeholder, values[:valid], element_offset=rank * chunk)
+                writer.write_shards(stream.optimizer_placeholders[key], shards, numel)
 
     def _streamed_optimizer_tensors(
         self, optimizer: Optimizer, index: int

@@ -254,21 +254,26 @@ def _new_checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optiona
         error = ex
     # the strategy has no checkpoint group yet: over the default group
     causes = _all_gather_objects(strategy, None if error is None else _describe_error(error))
+    if all(cause is None for cause in causes):
+        return group
+    raise _group_setup_failed(strategy, causes) from error
+
+
+def _group_setup_failed(strategy: "pl.strategies.Strategy", causes: List[Optional[str]]) -> MisconfigurationException:
+    """The error of every rank where creating the gloo checkpoint group failed on the ranks with a ``cause``."""
     by_cause: Dict[str, List[int]] = {}
     for rank, cause in enumerate(causes):
         if cause is not None:
             by_cause.setdefault(cause, []).append(rank)
-    if not by_cause:
-        return group
     failures = "; ".join(f"on global ranks {ranks}: {cause}" for cause, ranks in list(by_cause.items())[:3])
-    raise MisconfigurationException(
+    return MisconfigurationException(
         f"`{type(strategy).__name__}` could not create the gloo process group over which the ranks tell each other"
         f" whether a checkpoint failed ({failures}). Gloo connects the"
         " ranks over the address their host name resolves to, which other nodes may not reach (`127.0.1.1` in many"
         " container images). Set `GLOO_SOCKET_IFNAME` to the network interface the nodes reach each other over (the"
         f" one `NCCL_SOCKET_IFNAME` names, if set), or set `{CHECKPOINT_GLOO_GROUP_ENV}=0` to exchange over the default"
         f" process group instead, bounded by its own timeout rather than `{CHECKPOINT_TIMEOUT_ENV}`."
-    ) from error
+    )
 
 
 @contextmanager

@@ -13,7 +13,7 @@ Strategies without background saves are not affected: every function here does w
 import copy
 import os
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.types import _PATH
