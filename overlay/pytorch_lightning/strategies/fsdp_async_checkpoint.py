@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from typing_extensions import override
 
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit, _shards_to_copy
 from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _piece_offsets
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
@@ -144,7 +145,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
     def _write_streamed_units(self, stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile]) -> None:
         if not self._saves_in_background() or not _host_copies_fit(self, stream, writer):
             return super()._write_streamed_units(stream, writer)
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
         job: Optional[_BackgroundSave] = None
         try:
             with guard.catch():
@@ -203,7 +204,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         if not self.async_checkpoint:
             return False
         state = self.lightning_module.trainer.state
-        if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or self._checkpoint_state.background_closed:
+        closed = self._checkpoint_state.background_closed
+        if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or closed:
             reason = (
                 "it is saved outside `Trainer.fit` (or after its teardown began), which waits for a save in flight"
                 " at its end"
@@ -240,7 +242,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             ]
             units.append(_UnitShard(pool.copy(_flat_shard(flat)), starts[-1], pieces))
         states = [
-            _StateShard(pool.copy(value), numel, stream.optimizer_placeholders.get(key)) for key, value, numel in tensors
+            _StateShard(pool.copy(value), numel, stream.optimizer_placeholders.get(key))
+            for key, value, numel in tensors
         ]
         return _ShardCopies(units, states)
 
@@ -340,8 +343,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
 
 class _BackgroundSave:
     """One checkpoint written in the background: on every rank a thread sends this rank's shards to global rank 0,
-    unit by unit, over the strategy's background group (``_checkpoint_state.background_group``); rank 0 writes them into ``writer`` and commits it
-    if every rank succeeded.
+    unit by unit, over the strategy's background group (``_checkpoint_state.background_group``); rank 0 writes them
+    into ``writer`` and commits it if every rank succeeded.
 
     The ranks agree before each gather (see :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`,
     over the same group), so a failure on one rank stops every rank's thread there. The outcome is this rank's

@@ -11,8 +11,10 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from pytorch_lightning.strategies.fsdp_introspection import _flat_shard
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _host_memory_shortfall
+from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _fsdp_instances, _outermost_fsdp_instances
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+from pytorch_lightning.strategies.fsdp_streaming_save import _streamed_optimizer_tensors
 from pytorch_lightning.utilities.host_memory import format_bytes, pinned_host_bytes
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
@@ -31,7 +33,7 @@ def _host_copies_fit(
         writer: on global rank 0, the file being written, discarded if the check fails (its all-gather, say).
     """
     try:
-        short = strategy._host_memory_shortfall(*_host_copy_need(strategy, stream))
+        short = _host_memory_shortfall(strategy, *_host_copy_need(strategy, stream))
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -52,11 +54,12 @@ def _shards_to_copy(
     """What a save in the background copies to host memory, in the order of the placeholders: the flat parameters,
     whose shards it copies, and unless the save is ``weights_only`` the FSDP parameters' optimizer-state tensors, flat,
     with the keys of their placeholders and their number of elements without FSDP's padding."""
-    flats = [flat for instance in strategy._fsdp_modules() for flat in instance.params]
+    flats = [flat for instance in _fsdp_instances(strategy.lightning_module) for flat in instance.params]
     states = []
+    roots = _outermost_fsdp_instances(strategy.lightning_module)
     if not weights_only:
         for index, optimizer in enumerate(strategy.optimizers):
-            tensors = strategy._streamed_optimizer_tensors(optimizer, index)
+            tensors = _streamed_optimizer_tensors(optimizer, index, roots)
             states += [(key, value.reshape(-1), numel) for _, key, value, numel in tensors]
     return flats, states
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+import pytorch_lightning as pl
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _fsdp_instances
@@ -101,7 +102,8 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`), so a failure on one rank, inside
         FairScale's gather of a unit (allocating its full parameters) or in FairScale's state-dict hook (which copies
         the unit's tensors), stops every rank before the next collective. The error is raised by
-        ``Trainer.save_checkpoint`` on every rank before anything is written (see :meth:`_record_checkpoint_error`).
+        ``Trainer.save_checkpoint`` on every rank before anything is written (see
+        :meth:`~pytorch_lightning.strategies.fsdp_checkpoint_state._FSDPCheckpointState.record_error`).
         """
         modules = _fsdp_instances(self.lightning_module)
         memory_error, short_ranks = self._check_host_memory_for_checkpoint(modules)
@@ -112,13 +114,13 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         if short_ranks:
             # no rank gathers: a rank that ran out of host memory in the middle of the gather would be killed
             if memory_error is not None:
-                self._record_checkpoint_error(memory_error)
+                self._checkpoint_state.record_error(memory_error)
             elif session is None:
                 raise RuntimeError(
                     f"The state dict was not gathered: global rank {short_ranks[0]} lacks the host memory for it."
                 )
             return None
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
         state_dict = None
         with _catching_state_dict_hooks(modules, guard), _agreeing_fairscale_collectives(guard, self._process_group):
             try:
@@ -128,7 +130,7 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
                 pass  # another rank failed: this one stopped with it
             finally:
                 _reset_interrupted_gathers(modules)
-        if self._abandon_checkpoint_if_failed(guard):
+        if self._checkpoint_state.abandon_if_failed(guard):
             return None
         return state_dict
 
@@ -141,7 +143,7 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         """
         if not modules:
             return None, []
-        short = self._host_memory_shortfall(*self._host_memory_needed(modules))
+        short = _host_memory_shortfall(self, *self._host_memory_needed(modules))
         if short is None:
             return None, []
         if self.global_rank not in short.ranks:
@@ -153,32 +155,6 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
             ),
             short.ranks,
         )
-
-    def _host_memory_shortfall(self, needed: int, what: str) -> Optional["_HostMemoryShortfall"]:
-        """The first bound on host memory under which the ranks need more than it has, or ``None``: the same on
-        every rank. Collective when more than one process runs.
-
-        The bounds are each host's ``MemAvailable`` and the limit of each memory cgroup (a container's, a Slurm
-        job's) minus what it uses; the needs of the ranks that share one add up. See
-        :func:`~pytorch_lightning.utilities.host_memory.host_memory_bounds`.
-
-        Args:
-            needed: the bytes of host memory this rank is about to allocate.
-            what: what for, for the message.
-        """
-        report = (needed, host_memory_bounds() if needed else [])
-        if distributed_available() and self.world_size > 1:
-            reports = _all_gather_objects(self, (report, what))
-        else:
-            reports = [(report, what)]
-        short = overcommitted_bound([r for r, _ in reports])
-        if short is None:
-            return None
-        bound, ranks, total = short
-        held = "; ".join(f"global rank {rank}: {reports[rank][1]}" for rank in ranks[:4])
-        if len(ranks) > 4:
-            held += f"; and {len(ranks) - 4} more ranks"
-        return _HostMemoryShortfall(bound, ranks, total, held)
 
     def _host_memory_needed(self, modules: List["FullyShardedDataParallel"]) -> Tuple[int, str]:
         """The bytes of host memory this rank will hold while the checkpoint is gathered, and what for.
@@ -205,57 +181,61 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
             held.append(f"the consolidated optimizer state, {format_bytes(optimizer_states)}")
         return needed, " and ".join(held) or "nothing"
 
-    def _new_collective_guard(self) -> _CollectiveGuard:
-        """The guard of one per-unit loop of a checkpoint (see
-        :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`). Its agreements exchange over tensors
-        allocated here, before the loop's first step: a rank that ran out of memory still takes part in them."""
-        if not distributed_available() or self.world_size < 2:
-            return _CollectiveGuard(lambda failed: _failed_ranks(self, failed))
-        buffers = _failure_flag_buffers(self)
 
-        def exchange(failed: bool) -> List[int]:
-            flags = _exchange_flags(self, failed, buffers)
-            failed_ranks = _flagged_ranks(flags)
-            if FINAL_EXCHANGE_FLAG in flags:
-                # a rank that failed outside the loop is in the final exchange of the save (or load) already, and
-                # goes on to broadcast its error: this rank joins it there, with these flags, after leaving the loop
-                self._checkpoint_state.final_flags = failed_ranks
-            return failed_ranks
 
-        return _CollectiveGuard(exchange)
+def _new_checkpoint_guard(strategy: "pl.strategies.DDPFullyShardedStrategy") -> _CollectiveGuard:
+    """The guard of one per-unit loop of a checkpoint of ``strategy`` (see
+    :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`). Its agreements exchange over tensors
+    allocated here, before the loop's first step: a rank that ran out of memory still takes part in them."""
+    if not distributed_available() or strategy.world_size < 2:
+        return _CollectiveGuard(lambda failed: _failed_ranks(strategy, failed))
+    buffers = _failure_flag_buffers(strategy)
 
-    def _record_checkpoint_error(self, error: BaseException) -> None:
-        """Called at the end of a per-unit loop of :meth:`lightning_module_state_dict` or :meth:`optimizer_state`
-        that failed on this rank (a ``_PeerFailed`` on the ranks that stopped because another one failed): while
-        ``Trainer.save_checkpoint`` gathers the state (its session is gathering), the first ``error`` is kept
-        instead of raised, since the ranks go on into the next collectives of the checkpoint (the failure-flag
-        exchanges); the save takes it (``_pop_checkpoint_error``) once all of them have run and raises it on every
-        rank, before anything is written. Called outside a save, this raises ``error``."""
-        session = self._checkpoint_state.gathering_session()
-        if session is None:
-            raise error
-        session.record(error)
+    def exchange(failed: bool) -> List[int]:
+        flags = _exchange_flags(strategy, failed, buffers)
+        failed_ranks = _flagged_ranks(flags)
+        if FINAL_EXCHANGE_FLAG in flags:
+            # a rank that failed outside the loop is in the final exchange of the save (or load) already, and goes
+            # on to broadcast its error: this rank joins it there, with these flags, after leaving the loop
+            strategy._checkpoint_state.final_flags = failed_ranks
+        return failed_ranks
 
-    def _pop_checkpoint_error(self) -> Optional[BaseException]:
-        session = self._checkpoint_state.session
-        return None if session is None else session.pop_error()
+    return _CollectiveGuard(exchange)
 
-    def _abandon_checkpoint_if_failed(self, guard: _CollectiveGuard) -> bool:
-        """Settle ``guard`` (collective); if its loop failed on any rank, record the error for
-        ``Trainer.save_checkpoint`` to raise on every rank (see ``_record_checkpoint_error``), let the rest of this
-        save gather nothing more, and return ``True``."""
-        if not guard.settle():
-            return False
-        session = self._checkpoint_state.gathering_session()
-        if session is not None:
-            session.abandoned = True
-        self._record_checkpoint_error(guard.error_to_raise())
-        return True
+
+def _host_memory_shortfall(
+    strategy: "pl.strategies.DDPFullyShardedStrategy", needed: int, what: str
+) -> Optional["_HostMemoryShortfall"]:
+    """The first bound on host memory under which the ranks need more than it has, or ``None``: the same on every
+    rank. Collective when more than one process runs.
+
+    The bounds are each host's ``MemAvailable`` and the limit of each memory cgroup (a container's, a Slurm job's)
+    minus what it uses; the needs of the ranks that share one add up. See
+    :func:`~pytorch_lightning.utilities.host_memory.host_memory_bounds`.
+
+    Args:
+        strategy: the strategy whose ranks report their needs.
+        needed: the bytes of host memory this rank is about to allocate.
+        what: what for, for the message.
+    """
+    report = (needed, host_memory_bounds() if needed else [])
+    if distributed_available() and strategy.world_size > 1:
+        reports = _all_gather_objects(strategy, (report, what))
+    else:
+        reports = [(report, what)]
+    short = overcommitted_bound([r for r, _ in reports])
+    if short is None:
+        return None
+    bound, ranks, total = short
+    held = "; ".join(f"global rank {rank}: {reports[rank][1]}" for rank in ranks[:4])
+    if len(ranks) > 4:
+        held += f"; and {len(ranks) - 4} more ranks"
+    return _HostMemoryShortfall(bound, ranks, total, held)
 
 
 class _HostMemoryShortfall(NamedTuple):
     """A bound on host memory that the ranks under it need more than (see
-    :meth:`FSDPCheckpointErrorsMixin._host_memory_shortfall`).
+    :func:`_host_memory_shortfall`).
 
     Args:
         bound: the bound, with what is available under it.

@@ -17,6 +17,7 @@ from pytorch_lightning.utilities.types import _PATH
 if TYPE_CHECKING:
     from pytorch_lightning.strategies.fsdp_async_checkpoint import _BackgroundSave
     from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+    from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 
 
 class _NotDecided:
@@ -101,6 +102,35 @@ class _FSDPCheckpointState:
         """The save whose state is being gathered now, ``None`` outside ``dump_checkpoint``."""
         session = self.session
         return session if session is not None and session.gathering else None
+
+    def active_stream(self) -> Optional["_CheckpointStream"]:
+        """The placeholders of the streamed save whose state is being gathered now; ``None`` outside one, where the
+        strategy's state methods return the state itself."""
+        session = self.gathering_session()
+        return None if session is None else session.stream
+
+    def record_error(self, error: BaseException) -> None:
+        """Called at the end of a per-unit loop of gathering the state that failed on this rank (a ``_PeerFailed``
+        on the ranks that stopped because another one failed): while ``Trainer.save_checkpoint`` gathers the state,
+        the first ``error`` is kept instead of raised, since the ranks go on into the next collectives of the
+        checkpoint (the failure-flag exchanges); the save takes it once all of them have run and raises it on every
+        rank, before anything is written. Called outside a save, this raises ``error``."""
+        session = self.gathering_session()
+        if session is None:
+            raise error
+        session.record(error)
+
+    def abandon_if_failed(self, guard: "_CollectiveGuard") -> bool:
+        """Settle ``guard`` (collective); if its loop failed on any rank, record the error for
+        ``Trainer.save_checkpoint`` to raise on every rank (see :meth:`record_error`), let the rest of this save
+        gather nothing more, and return ``True``."""
+        if not guard.settle():
+            return False
+        session = self.gathering_session()
+        if session is not None:
+            session.abandoned = True
+        self.record_error(guard.error_to_raise())
+        return True
 
     def take_final_flags(self) -> Optional[List[int]]:
         flags, self.final_flags = self.final_flags, None

@@ -4,7 +4,7 @@ global rank 0 one FSDP instance at a time, in FairScale's format, and re-shards 
 The hooks are ``DDPFullyShardedStrategy``'s base class and ``configure_ddp``, which checks the layout.
 """
 # fork-feature: fork/fsdp-consolidated-optimizer-state.patch
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TYPE_CHECKING
 
 import torch
 from torch.optim import Optimizer
@@ -13,6 +13,7 @@ from typing_extensions import override
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.utilities.apply_func import apply_to_collection
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives
 from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances, _outermost_fsdp_instances
 from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
@@ -23,13 +24,12 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+
 
 class FSDPOptimizerStateMixin(DDPStrategy):
     """Methods of ``DDPFullyShardedStrategy`` that save and load the consolidated optimizer state."""
-
-    def _outermost_fsdp_modules(self) -> List["FullyShardedDataParallel"]:
-        """The FSDP instances of the LightningModule that are not nested inside another FSDP instance."""
-        return _outermost_fsdp_instances(self.lightning_module)
 
     def _optimizer_state_layout(self) -> str:
         """How :meth:`optimizer_state` saves the optimizer state of the LightningModule.
@@ -42,12 +42,6 @@ class FSDPOptimizerStateMixin(DDPStrategy):
           is saved as it is, so the checkpoint resumes exactly but only on the same number of processes.
         """
         return _optimizer_state_layout(_fsdp_instances(self.lightning_module))
-
-    def _optimizer_root_param_ids(self, optimizer: Optimizer) -> List[List[Optional[int]]]:
-        """For each outermost FSDP instance, the optimizer's index (as in ``optimizer.state_dict()``) of each of its
-        flat parameters, in FairScale's order, or ``None`` for a flat parameter the optimizer does not hold."""
-        index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
-        return [[index.get(id(p)) for p in root.parameters()] for root in self._outermost_fsdp_modules()]
 
     def _check_optimizer_state_layout(self) -> None:
         if self.optimizers and self._optimizer_state_layout() == "per_rank":
@@ -76,6 +70,12 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         Args:
             optimizer: the optimizer whose state is saved.
         """
+        stream = self._checkpoint_state.active_stream()
+        if stream is not None:
+            # gathered later, while the checkpoint is written: placeholders stand for the FSDP parameters' state
+            if self.global_rank != 0:
+                return _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
+            return _streamed_optimizer_state(optimizer, stream, _outermost_fsdp_instances(self.lightning_module))
         session = self._checkpoint_state.gathering_session()
         if session is not None and session.abandoned:
             # this save already failed on every rank (a rank lacks the host memory for it, or a gather failed on one,
@@ -85,12 +85,12 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         state = optimizer.state_dict()
         if layout == "replicated":
             return {} if self.state_dict_on_rank_0_only and self.global_rank != 0 else state
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
         if layout == "per_rank":
             local_states = self._gather_local_optimizer_states(state, guard)
-            if self._abandon_checkpoint_if_failed(guard):
+            if self._checkpoint_state.abandon_if_failed(guard):
                 return {}
-            return local_states or self._optimizer_state_off_rank_zero(optimizer)
+            return local_states or _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
         return self._consolidated_optimizer_state(optimizer, state, guard)
 
     def _consolidated_optimizer_state(
@@ -101,22 +101,18 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         # FairScale converts tensor ``step`` entries to ints in place; a shallow copy of each per-parameter dict
         # keeps the live optimizer state untouched (Adam needs its ``step`` to stay a tensor).
         state["state"] = {key: dict(value) for key, value in state["state"].items()}
-        root_param_ids = self._optimizer_root_param_ids(optimizer)
+        roots = _outermost_fsdp_instances(self.lightning_module)
+        root_param_ids = _optimizer_root_param_ids(optimizer, roots)
         consolidated = [
             self._consolidate_optimizer_state(root, _root_optimizer_state(state, param_ids), guard)
-            for root, param_ids in zip(self._outermost_fsdp_modules(), root_param_ids)
+            for root, param_ids in zip(roots, root_param_ids)
         ]
-        if self._abandon_checkpoint_if_failed(guard):
+        if self._checkpoint_state.abandon_if_failed(guard):
             # every rank stopped at the same collective: raised by ``Trainer.save_checkpoint`` on every rank
             return {}
         if self.global_rank != 0:
-            return self._optimizer_state_off_rank_zero(optimizer)
+            return _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
         return _checkpointed_optimizer_state(state, consolidated, root_param_ids)
-
-    def _optimizer_state_off_rank_zero(self, optimizer: Optimizer) -> Dict[str, Any]:
-        # Only global rank 0 writes the checkpoint. With ``state_dict_on_rank_0_only=False`` the other ranks keep
-        # their local state in the checkpoint dict, as in Lightning 1.6.5, for hooks that read or edit it.
-        return {} if self.state_dict_on_rank_0_only else optimizer.state_dict()
 
     def _consolidate_optimizer_state(
         self, root: "FullyShardedDataParallel", state: Dict[str, Any], guard: _CollectiveGuard
@@ -161,16 +157,6 @@ class FSDPOptimizerStateMixin(DDPStrategy):
                 states.append(received[0])
         return {"fsdp_per_rank": states} if self.global_rank == 0 else {}
 
-    @staticmethod
-    def _is_rank_zero_shard(optimizer_state: Mapping[str, Any]) -> bool:
-        """Whether an optimizer state was saved as a rank's local shard (by Lightning <= 1.6.5), not consolidated.
-
-        Consolidated states carry ``fsdp_roots`` (or, as written by earlier versions of this strategy, FairScale's
-        ``param_id_map`` and ``uncollected_local_ids``); the plain ``optimizer.state_dict()`` of a shard has none.
-        """
-        markers = {"param_id_map", "uncollected_local_ids", "fsdp_roots", "fsdp_per_rank"}
-        return "param_groups" in optimizer_state and not markers & set(optimizer_state)
-
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Loads each rank's part of the optimizer state saved by :meth:`optimizer_state`.
@@ -208,7 +194,7 @@ class FSDPOptimizerStateMixin(DDPStrategy):
                         " Wrap the model as it was wrapped when the checkpoint was saved."
                     )
                 optimizer.load_state_dict(opt_state)
-            elif self._is_rank_zero_shard(opt_state):
+            elif _is_rank_zero_shard(opt_state):
                 _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
             elif layout == "per_rank":
                 raise MisconfigurationException(
@@ -221,8 +207,8 @@ class FSDPOptimizerStateMixin(DDPStrategy):
 
     def _reshard_optimizer_state(self, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> Dict[str, Any]:
         """This rank's local ``optimizer.state_dict()`` from a consolidated state (see :meth:`optimizer_state`)."""
-        roots = self._outermost_fsdp_modules()
-        root_param_ids = self._optimizer_root_param_ids(optimizer)
+        roots = _outermost_fsdp_instances(self.lightning_module)
+        root_param_ids = _optimizer_root_param_ids(optimizer, roots)
         if "fsdp_root_param_ids" in opt_state:
             saved_roots = opt_state["fsdp_roots"]
             saved_ids = opt_state["fsdp_root_param_ids"]
@@ -248,6 +234,68 @@ class FSDPOptimizerStateMixin(DDPStrategy):
             for local_id, buffers in _shard_optimizer_state(root, saved)["state"].items():
                 state[param_ids[local_id]] = buffers
         return {"state": state, "param_groups": param_groups}
+
+
+def _optimizer_root_param_ids(
+    optimizer: Optimizer, roots: List["FullyShardedDataParallel"]
+) -> List[List[Optional[int]]]:
+    """For each outermost FSDP instance of ``roots``, the optimizer's index (as in ``optimizer.state_dict()``) of each
+    of its flat parameters, in FairScale's order, or ``None`` for a flat parameter the optimizer does not hold."""
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    return [[index.get(id(p)) for p in root.parameters()] for root in roots]
+
+
+def _optimizer_state_off_rank_zero(optimizer: Optimizer, state_dict_on_rank_0_only: bool) -> Dict[str, Any]:
+    # Only global rank 0 writes the checkpoint. With ``state_dict_on_rank_0_only=False`` the other ranks keep their
+    # local state in the checkpoint dict, as in Lightning 1.6.5, for hooks that read or edit it.
+    return {} if state_dict_on_rank_0_only else optimizer.state_dict()
+
+
+def _streamed_optimizer_state(
+    optimizer: Optimizer, stream: "_CheckpointStream", roots: List["FullyShardedDataParallel"]
+) -> Dict[str, Any]:
+    """What ``optimizer_state`` returns on global rank 0, with placeholders in ``stream`` instead of the FSDP
+    parameters' optimizer state, which is gathered when the checkpoint is written."""
+    state = optimizer.state_dict()
+    root_param_ids = _optimizer_root_param_ids(optimizer, roots)
+    index = len(stream.optimizer_states)
+    consolidated = [
+        _streamed_root_optimizer_state(root, _root_optimizer_state(state, ids), stream, (index, j))
+        for j, (root, ids) in enumerate(zip(roots, root_param_ids))
+    ]
+    optimizer_state = _checkpointed_optimizer_state(state, consolidated, root_param_ids)
+    stream.optimizer_states.append(optimizer_state)
+    return optimizer_state
+
+
+def _streamed_root_optimizer_state(
+    root: "FullyShardedDataParallel", state: Dict[str, Any], stream: "_CheckpointStream", key: Tuple[int, int]
+) -> Dict[str, Any]:
+    """What :func:`_gather_full_optimizer_state` returns on global rank 0, built from rank 0's local ``state``
+    alone: each FSDP instance's state tensors are placeholders in ``stream``, a flat one per tensor with a view per
+    original parameter, as FairScale lays them out."""
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    def placeholder_entries(
+        local_id: int, instance: "FullyShardedDataParallel", buffers: Dict[str, Any]
+    ) -> List[Dict[str, Any]]:
+        flat_param = instance.params[0]
+        entries: List[Dict[str, Any]] = [{} for _ in range(instance.num_params_managed)]
+        for name, value in buffers.items():
+            if torch.is_tensor(value) and not is_singleton_tensor(value):
+                with stream.mode:
+                    flat = torch.empty(sum(flat_param._param_numels), dtype=value.dtype)
+                    pieces = flat.split(flat_param._param_numels)
+                    values = [piece.view(shape) for piece, shape in zip(pieces, flat_param._param_shapes)]
+                stream.optimizer_placeholders[(*key, local_id, name)] = flat
+            else:
+                # ``step``: an int, as FairScale stores it (``_reason_checkpoint_cannot_stream`` rules out others)
+                values = [value.item() if torch.is_tensor(value) else value] * len(entries)
+            for entry, value in zip(entries, values):
+                entry[name] = value
+        return entries
+
+    return _fairscale_optimizer_state(root, state, placeholder_entries)
 
 
 def _checkpointed_optimizer_state(
@@ -551,3 +599,13 @@ class _StateDictProvider:
 
     def state_dict(self) -> Dict[str, Any]:
         return self._state
+
+
+def _is_rank_zero_shard(optimizer_state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state was saved as a rank's local shard (by Lightning <= 1.6.5), not consolidated.
+
+    Consolidated states carry ``fsdp_roots`` (or, as written by earlier versions of this strategy, FairScale's
+    ``param_id_map`` and ``uncollected_local_ids``); the plain ``optimizer.state_dict()`` of a shard has none.
+    """
+    markers = {"param_id_map", "uncollected_local_ids", "fsdp_roots", "fsdp_per_rank"}
+    return "param_groups" in optimizer_state and not markers & set(optimizer_state)

@@ -16,6 +16,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
+from pytorch_lightning.utilities.checkpoint_errors import _distributed_run
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
@@ -54,7 +55,7 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
         self._replicated_parameters = [p for _, p in named]
         if not named:
             return
-        if self._is_distributed_run():
+        if _distributed_run(self.world_size):
             with torch.no_grad():
                 for param in self._replicated_parameters:
                     # collectives run on the root device, where these parameters are (with ``cpu_offload`` too)
@@ -109,9 +110,6 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
                 " instance, e.g. the whole model with `self.model = wrap(self.model)`."
             )
 
-    def _is_distributed_run(self) -> bool:
-        return self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-
     def sync_replicated_gradients(self, optimizer: Optimizer) -> None:
         """Average the gradients of the replicated parameters of ``optimizer`` over the ranks.
 
@@ -126,7 +124,7 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
         Args:
             optimizer: the optimizer whose replicated parameters are synchronised.
         """
-        if not self._replicated_parameters or not self._is_distributed_run():
+        if not self._replicated_parameters or not _distributed_run(self.world_size):
             return
         replicated = {id(p) for p in self._replicated_parameters}
         params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in replicated]

@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
 from pytorch_lightning.strategies.fsdp_introspection import (
     _clean_fsdp_key,
@@ -92,10 +93,10 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
         # ``summon_full_params`` is a collective: the ranks agree before each of its gathers that all of them can take
         # part, so a failure on one rank (copying a unit, or allocating its full parameters inside FairScale) stops
         # every rank before the next gather; the failing rank raises its error, the others ``_PeerFailed``
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
 
         def load(prefix: str, instance: "FullyShardedDataParallel") -> None:
-            missing.extend(self._load_unit(prefix, instance, state_dict, loaded))
+            missing.extend(_load_unit(prefix, instance, state_dict, loaded))
 
         _gather_units_one_at_a_time(instances, guard, self._process_group, load)
         guard.settle()
@@ -111,22 +112,22 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
                 f" unexpected keys {result.unexpected_keys}."
             )
 
-    @staticmethod
-    def _load_unit(
-        prefix: str, instance: "FullyShardedDataParallel", state_dict: Mapping[str, Any], loaded: Set[str]
-    ) -> List[str]:
-        """Copy the values of the gathered parameters of the FSDP instance ``instance`` (not those of the instances
-        inside it) from ``state_dict``, adding their keys to ``loaded``; returns the keys it lacks."""
-        missing = []
-        for key, param in _own_parameters(prefix, instance):
-            if key not in state_dict:
-                missing.append(key)
-                continue
-            if param.shape != state_dict[key].shape:
-                raise RuntimeError(
-                    f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)} from"
-                    f" checkpoint, the shape in current model is {tuple(param.shape)}."
-                )
-            param.copy_(state_dict[key])
-            loaded.add(key)
-        return missing
+
+def _load_unit(
+    prefix: str, instance: "FullyShardedDataParallel", state_dict: Mapping[str, Any], loaded: Set[str]
+) -> List[str]:
+    """Copy the values of the gathered parameters of the FSDP instance ``instance`` (not those of the instances
+    inside it) from ``state_dict``, adding their keys to ``loaded``; returns the keys it lacks."""
+    missing = []
+    for key, param in _own_parameters(prefix, instance):
+        if key not in state_dict:
+            missing.append(key)
+            continue
+        if param.shape != state_dict[key].shape:
+            raise RuntimeError(
+                f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)} from"
+                f" checkpoint, the shape in current model is {tuple(param.shape)}."
+            )
+        param.copy_(state_dict[key])
+        loaded.add(key)
+    return missing

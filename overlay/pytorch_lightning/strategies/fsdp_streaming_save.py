@@ -13,8 +13,13 @@ from torch.optim import Optimizer
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
-from pytorch_lightning.strategies.fsdp_optimizer_state import _root_optimizer_state
-from pytorch_lightning.strategies.fsdp_introspection import _named_fsdp_instances, _own_parameters
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
+from pytorch_lightning.strategies.fsdp_optimizer_state import _optimizer_root_param_ids, _root_optimizer_state
+from pytorch_lightning.strategies.fsdp_introspection import (
+    _named_fsdp_instances,
+    _outermost_fsdp_instances,
+    _own_parameters,
+)
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream, FSDPStreamDecisionMixin
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _failed_ranks
@@ -99,7 +104,7 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         # before each gather of a unit, the ranks agree over the checkpoint group that all of them can take part, so
         # that a failure on one rank (in FairScale's allocation of the unit's buffers too) stops every rank there;
         # the other ranks also wait for rank 0's writes there, for as long as ``PL_CHECKPOINT_TIMEOUT`` says
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
         with _committed_if_complete(writer):
             self._stream_model_state(stream, writer, guard)
             if not stream.weights_only:
@@ -140,7 +145,7 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
 
         def write(prefix: str, instance: "FullyShardedDataParallel") -> None:
             if writer is not None:
-                written.update(self._write_unit(prefix, instance, stream, writer))
+                written.update(_write_unit(prefix, instance, stream, writer))
 
         _gather_units_one_at_a_time(instances, guard, self._process_group, write, volatile=True)
         if writer is not None and not guard.stopped and written != set(stream.model):
@@ -149,24 +154,6 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
                     f"The FSDP instances gave no values for {sorted(set(stream.model) - written)} of the checkpoint."
                 )
             )
-
-    @staticmethod
-    def _write_unit(
-        prefix: str, instance: "FullyShardedDataParallel", stream: "_CheckpointStream", writer: Any
-    ) -> List[str]:
-        """Write the gathered parameters of the FSDP instance ``instance`` (not those of the instances inside it)
-        into their placeholders' places; returns their keys."""
-        written = []
-        for key, param in _own_parameters(prefix, instance):
-            placeholder = stream.model.get(key)
-            if placeholder is None or (placeholder.shape, placeholder.dtype) != (param.shape, param.dtype):
-                raise RuntimeError(
-                    f"The gathered parameter {key!r} ({tuple(param.shape)}, {param.dtype}) has no matching entry in"
-                    " the checkpoint being streamed."
-                )
-            writer.write(placeholder, param)
-            written.append(key)
-        return written
 
     def _stream_optimizer_state(
         self,
@@ -179,7 +166,8 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         """Gather each FSDP instance's optimizer state onto global rank 0 (``torch.distributed.gather``, so the
         other ranks only ever hold their own shard), one state tensor at a time, and write it into its placeholder's
         place in the file there. Every allocation comes before the agreement that precedes its gather."""
-        for root, key, value, numel in self._streamed_optimizer_tensors(optimizer, index):
+        roots = _outermost_fsdp_instances(self.lightning_module)
+        for root, key, value, numel in _streamed_optimizer_tensors(optimizer, index, roots):
             if guard.stopped:
                 return
             shard = None
@@ -193,21 +181,39 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
             with guard.catch():
                 writer.write_shards(stream.optimizer_placeholders[key], shards, numel)
 
-    def _streamed_optimizer_tensors(
-        self, optimizer: Optimizer, index: int
-    ) -> Iterator[Tuple["FullyShardedDataParallel", Tuple[Any, ...], torch.Tensor, int]]:
-        """The optimizer state tensors of the FSDP instances that a streamed save gathers, in the order of the
-        placeholders: the outermost instance, the key of the placeholder, this rank's shard of the state tensor and
-        the number of elements of the unpadded flat parameter."""
-        from fairscale.nn.data_parallel import get_fsdp_instances
-        from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
 
-        state = optimizer.state_dict()
-        roots = self._outermost_fsdp_modules()
-        for j, (root, param_ids) in enumerate(zip(roots, self._optimizer_root_param_ids(optimizer))):
-            local = _root_optimizer_state(state, param_ids)["state"]
-            for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
-                numel = sum(instance.params[0]._param_numels)
-                for name, value in local.get(local_id, {}).items():
-                    if torch.is_tensor(value) and not is_singleton_tensor(value):
-                        yield root, (index, j, local_id, name), value, numel
+def _streamed_optimizer_tensors(
+    optimizer: Optimizer, index: int, roots: List["FullyShardedDataParallel"]
+) -> Iterator[Tuple["FullyShardedDataParallel", Tuple[Any, ...], torch.Tensor, int]]:
+    """The optimizer state tensors of the FSDP instances (under the outermost ones, ``roots``) that a streamed save
+    gathers, in the order of the placeholders: the outermost instance, the key of the placeholder, this rank's shard of
+    the state tensor and the number of elements of the unpadded flat parameter."""
+    from fairscale.nn.data_parallel import get_fsdp_instances
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    state = optimizer.state_dict()
+    for j, (root, param_ids) in enumerate(zip(roots, _optimizer_root_param_ids(optimizer, roots))):
+        local = _root_optimizer_state(state, param_ids)["state"]
+        for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
+            numel = sum(instance.params[0]._param_numels)
+            for name, value in local.get(local_id, {}).items():
+                if torch.is_tensor(value) and not is_singleton_tensor(value):
+                    yield root, (index, j, local_id, name), value, numel
+
+
+def _write_unit(
+    prefix: str, instance: "FullyShardedDataParallel", stream: "_CheckpointStream", writer: Any
+) -> List[str]:
+    """Write the gathered parameters of the FSDP instance ``instance`` (not those of the instances inside it)
+    into their placeholders' places; returns their keys."""
+    written = []
+    for key, param in _own_parameters(prefix, instance):
+        placeholder = stream.model.get(key)
+        if placeholder is None or (placeholder.shape, placeholder.dtype) != (param.shape, param.dtype):
+            raise RuntimeError(
+                f"The gathered parameter {key!r} ({tuple(param.shape)}, {param.dtype}) has no matching entry in"
+                " the checkpoint being streamed."
+            )
+        writer.write(placeholder, param)
+        written.append(key)
+    return written

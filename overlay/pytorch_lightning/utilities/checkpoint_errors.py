@@ -438,6 +438,11 @@ def _exchange_flags(
     return [int(received.item()) for received in gathered]
 
 
+def _distributed_run(world_size: int) -> bool:
+    """Whether ``torch.distributed`` runs this process as one of ``world_size`` > 1 ranks."""
+    return world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _flagged_ranks(flags: List[int]) -> List[int]:
     """The global ranks whose flag in ``flags`` (from :func:`_exchange_flags`) says they failed."""
     return [rank for rank, flag in enumerate(flags) if flag]

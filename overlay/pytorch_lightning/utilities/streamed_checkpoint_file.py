@@ -145,7 +145,12 @@ class _StreamedCheckpointFile:
             self.flush()
 
     def write_shards(
-        self, placeholder: torch.Tensor, shards: List[torch.Tensor], numel: int, start: int = 0, end: Optional[int] = None
+        self,
+        placeholder: torch.Tensor,
+        shards: List[torch.Tensor],
+        numel: int,
+        start: int = 0,
+        end: Optional[int] = None,
     ) -> None:
         """Write the elements ``start`` to ``end`` (by default all) of a flat tensor of ``numel`` elements, given as
         every rank's shard of it, into the pending tensor ``placeholder``, whose first element is element ``start``;

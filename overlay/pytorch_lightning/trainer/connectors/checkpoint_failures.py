@@ -2,7 +2,7 @@
 :class:`~pytorch_lightning.utilities.exceptions.CheckpointError` on every rank instead of leaving the ranks that did
 not fail waiting in the next collective.
 
-The hooks are ``CheckpointConnector``'s base class and the call sites in ``resume_start``, ``restore_model``,
+The hooks are ``CheckpointConnector``'s ``_failures`` part and the call sites in ``resume_start``, ``restore_model``,
 ``restore_optimizers`` and ``save_checkpoint``.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
@@ -26,53 +26,52 @@ from pytorch_lightning.utilities.exceptions import CheckpointError, Misconfigura
 from pytorch_lightning.utilities.types import _PATH
 
 
-class CheckpointFailuresMixin:
-    """Methods of ``CheckpointConnector`` that turn a failure on one rank into a ``CheckpointError`` on all."""
+class _CheckpointFailures:
+    """The part of ``CheckpointConnector`` that turns a failure on one rank into a ``CheckpointError`` on all: its
+    save, its agreement that every rank saves, and the context of each step of its restore.
 
-    trainer: "pl.Trainer"
+    Args:
+        connector: the connector whose trainer's ranks save and load.
+    """
 
-    def _raising_on_every_rank(self, action: str, hint: Optional[str] = None) -> "_RaisingOnEveryRank":
+    def __init__(self, connector: "pl.trainer.connectors.checkpoint_connector.CheckpointConnector") -> None:
+        self._connector = connector
+
+    def raising_on_every_rank(self, action: str, hint: Optional[str] = None) -> "_RaisingOnEveryRank":
         """A context manager: run the block; if it raised on any rank, raise the same ``CheckpointError`` on every
-        rank (see :meth:`_raise_on_all_ranks_if_any_failed`). Collective when more than one process runs.
+        rank (see :func:`_raise_on_every_rank_if_any_failed`). Collective when more than one process runs.
 
         Args:
             action: what the block does, naming the checkpoint path.
             hint: an optional sentence appended to the message.
         """
-        return _RaisingOnEveryRank(self, action, hint)
+        return _RaisingOnEveryRank(self._connector.trainer, action, hint)
 
-    @staticmethod
-    def _check_loaded_checkpoint(loaded_checkpoint: Any) -> None:
-        if not isinstance(loaded_checkpoint, dict):
-            raise TypeError(
-                f"Expected the checkpoint to be a `dict`, but it holds a `{type(loaded_checkpoint).__name__}`."
-            )
-
-    def _agree_that_every_rank_saves(self, filepath: _PATH) -> None:
+    def agree_that_every_rank_saves(self, filepath: _PATH) -> None:
         """Called first by ``Trainer.save_checkpoint``: with a strategy whose save is a collective that the ranks begin
         by agreeing that all of them are in it (FSDP's, see ``_agree_on_checkpoint_arrival``), return once they
         are, or raise ``CheckpointError`` after ``PL_CHECKPOINT_ARRIVAL_TIMEOUT``. Collective for those strategies."""
-        strategy = self.trainer.strategy
+        strategy = self._connector.trainer.strategy
         if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
             strategy._agree_on_checkpoint_arrival(f"Saving the checkpoint to {str(filepath)!r}")
 
-    def _save_checkpoint_on_every_rank(
+    def save_checkpoint_on_every_rank(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
     ) -> None:
         """``CheckpointConnector.save_checkpoint``: dump the checkpoint and let the strategy save it; a failure on
         any rank raises on every rank when the strategy gathers the state on all of them (FSDP, DeepSpeed), else on
         the failing rank alone."""
-        strategy = self.trainer.strategy
+        strategy = self._connector.trainer.strategy
         action = f"Saving the checkpoint to {str(filepath)!r}"
         collective = isinstance(strategy, (pl.strategies.DDPFullyShardedStrategy, pl.strategies.DeepSpeedStrategy))
-        checkpoint, error = self._dump_checkpoint_on_every_rank(filepath, weights_only, storage_options)
+        checkpoint, error = self._dump_checkpoint(filepath, weights_only, storage_options)
         if collective:
             # Collective: the ranks agree that the state was gathered everywhere before anything is written, so that
             # a failure on one rank never replaces the previous checkpoint with an incomplete one.
-            self._raise_on_all_ranks_if_any_failed(error, action)
+            self.raise_on_every_rank_if_any_failed(error, action)
         elif error is not None:
             # other strategies let users call ``trainer.save_checkpoint`` on rank 0 alone, where a collective would hang
-            self._raise_on_all_ranks_if_any_failed(error, action, collective=False)
+            self.raise_on_every_rank_if_any_failed(error, action, collective=False)
         error = None
         try:
             strategy.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -81,16 +80,16 @@ class CheckpointFailuresMixin:
         # With FSDP and DeepSpeed every rank is here, since they gathered the state together. Collective: the ranks
         # that did not write learn whether the write succeeded, so that a failure stops every rank at once instead of
         # leaving them waiting in the next collective until the process group times out.
-        self._raise_on_all_ranks_if_any_failed(error, action, collective=collective)
+        self.raise_on_every_rank_if_any_failed(error, action, collective=collective)
 
-    def _dump_checkpoint_on_every_rank(
+    def _dump_checkpoint(
         self, filepath: _PATH, weights_only: bool, storage_options: Optional[Any]
     ) -> Tuple[Optional[Dict[str, Any]], Optional[BaseException]]:
         """``dump_checkpoint``, and this rank's error if it failed. Under ``DDPFullyShardedStrategy`` a rank that fails
         inside a per-unit loop of gathering the state keeps taking part in the loop's collectives and in those that
         follow (the model's state dict, then one consolidation per optimizer): the save's session keeps the error
         until the dump is done."""
-        strategy = self.trainer.strategy
+        strategy = self._connector.trainer.strategy
         session = None
         if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
             # decided before the state is gathered: whether the strategy writes it while gathering it
@@ -98,17 +97,22 @@ class CheckpointFailuresMixin:
         checkpoint, error = None, None
         try:
             with session.gathering_state() if session is not None else nullcontext():
-                checkpoint = self.dump_checkpoint(weights_only)
+                checkpoint = self._connector.dump_checkpoint(weights_only)
         except Exception as ex:
             error = ex
         pending = session.pop_error() if session is not None else None
         return checkpoint, pending if pending is not None else error
 
-    def _raise_on_all_ranks_if_any_failed(
+    def raise_on_every_rank_if_any_failed(
         self, error: Optional[BaseException], action: str, hint: Optional[str] = None, collective: bool = True
     ) -> None:
         """See :func:`_raise_on_every_rank_if_any_failed`."""
-        _raise_on_every_rank_if_any_failed(self.trainer, error, action, hint, collective)
+        _raise_on_every_rank_if_any_failed(self._connector.trainer, error, action, hint, collective)
+
+
+def _check_loaded_checkpoint(loaded_checkpoint: Any) -> None:
+    if not isinstance(loaded_checkpoint, dict):
+        raise TypeError(f"Expected the checkpoint to be a `dict`, but it holds a `{type(loaded_checkpoint).__name__}`.")
 
 
 def _raise_on_every_rank_if_any_failed(
@@ -191,11 +195,11 @@ def _error_of_first_failed_rank(
 
 
 class _RaisingOnEveryRank:
-    """See :meth:`CheckpointFailuresMixin._raising_on_every_rank`. A class rather than a generator: a
+    """See :meth:`_CheckpointFailures.raising_on_every_rank`. A class rather than a generator: a
     ``CheckpointError[StopIteration]`` raised from a generator would turn into a ``RuntimeError``."""
 
-    def __init__(self, connector: CheckpointFailuresMixin, action: str, hint: Optional[str]) -> None:
-        self.connector, self.action, self.hint = connector, action, hint
+    def __init__(self, trainer: "pl.Trainer", action: str, hint: Optional[str]) -> None:
+        self.trainer, self.action, self.hint = trainer, action, hint
 
     def __enter__(self) -> None:
         return None
@@ -203,5 +207,5 @@ class _RaisingOnEveryRank:
     def __exit__(self, exc_type: Any, error: Optional[BaseException], traceback: Any) -> bool:
         if error is not None and not isinstance(error, Exception):
             return False  # ``KeyboardInterrupt`` and the like stop this rank as they are
-        self.connector._raise_on_all_ranks_if_any_failed(error, self.action, hint=self.hint)
+        _raise_on_every_rank_if_any_failed(self.trainer, error, self.action, hint=self.hint)
         return False
