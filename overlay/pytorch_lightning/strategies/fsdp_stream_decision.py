@@ -4,7 +4,7 @@ state hold placeholders (``FakeTensor``) for the FSDP parameters and their optim
 gathered save writes.
 
 The hooks are ``DDPFullyShardedStrategy``'s ``stream_checkpoint`` argument and ``lightning_module_state_dict``,
-and ``CheckpointConnector.save_checkpoint``, which calls :meth:`FSDPStreamDecisionMixin._prepare_checkpoint_stream`.
+and ``CheckpointConnector.save_checkpoint``, which calls :meth:`FSDPStreamDecisionMixin._begin_checkpoint_save`.
 :mod:`pytorch_lightning.strategies.fsdp_streaming_save` writes the file.
 """
 # fork-feature: fork/fsdp-streaming-save.patch

@@ -4,7 +4,7 @@
 type.
 
 The hooks are ``CheckpointConnector`` (through
-:class:`~pytorch_lightning.trainer.connectors.checkpoint_failures.CheckpointFailuresMixin`) and
+:class:`~pytorch_lightning.trainer.connectors.checkpoint_failures._CheckpointFailures`) and
 ``DDPFullyShardedStrategy`` (through
 :class:`~pytorch_lightning.strategies.fsdp_checkpoint_errors.FSDPCheckpointErrorsMixin`).
 """
