@@ -81,17 +81,17 @@ def test_failure_on_one_rank_raises_on_every_rank(_):
     # rank 1 did not fail, rank 0 did: rank 1 raises with rank 0's message
     with pytest.raises(CheckpointError, match="'x.ckpt' failed on global rank 0: OSError.*No space left") as info:
         connector = _connector(rank=1, failed_ranks=[0])
-        connector._raise_on_all_ranks_if_any_failed(None, "Saving the checkpoint to 'x.ckpt'")
+        connector._failures.raise_on_every_rank_if_any_failed(None, "Saving the checkpoint to 'x.ckpt'")
     assert info.value.__cause__ is None
     # the failing rank chains its own error
     error = OSError(errno.ENOSPC, "No space left on device")
     with pytest.raises(CheckpointError, match="failed on global rank 0") as info:
-        _connector(rank=0, failed_ranks=[0, 1])._raise_on_all_ranks_if_any_failed(error, "Saving")
+        _connector(rank=0, failed_ranks=[0, 1])._failures.raise_on_every_rank_if_any_failed(error, "Saving")
     assert info.value.__cause__ is error
     assert "also failed on global ranks [1]" in str(info.value)
     # nobody failed: no error, and no broadcast
     connector = _connector(rank=1, failed_ranks=[])
-    connector._raise_on_all_ranks_if_any_failed(None, "Saving")
+    connector._failures.raise_on_every_rank_if_any_failed(None, "Saving")
     connector.trainer.strategy.broadcast.assert_not_called()
 
 
@@ -101,11 +101,15 @@ def test_save_is_collective_only_where_saving_already_is(_, strategy_name, colle
     """FSDP gathers the state on every rank, so the save ends with the failure-flag collective; plain DDP allows
     ``trainer.save_checkpoint`` on rank 0 alone, where that collective would hang."""
     from pytorch_lightning.strategies import DDPFullyShardedStrategy, DDPStrategy
+    from pytorch_lightning.strategies.fsdp_checkpoint_state import _FSDPCheckpointState, _SaveSession
 
     connector = _connector(rank=0, failed_ranks=[])
     strategy_cls = DDPFullyShardedStrategy if strategy_name == "fsdp" else DDPStrategy
     connector.trainer.strategy.__class__ = type("Spec", (strategy_cls,), {})
     connector.trainer.strategy.save_checkpoint = mock.Mock()
+    # the FSDP strategy's checkpoint state and the session of this save, as the strategy makes them
+    connector.trainer.strategy._checkpoint_state = _FSDPCheckpointState()
+    connector.trainer.strategy._begin_checkpoint_save.return_value = _SaveSession()
     with mock.patch.object(connector, "dump_checkpoint", return_value={}):
         connector.save_checkpoint("x.ckpt")
     assert connector.trainer.strategy.all_gather.called is collective
@@ -214,23 +218,23 @@ def test_every_rank_raises_the_original_type(_):
     names = {0: ("builtins", "FileNotFoundError"), 1: ("builtins", "ValueError")}
     connector = _connector(rank=1, failed_ranks=[0], type_names=names)
     with pytest.raises(FileNotFoundError, match="failed on global rank 0") as info:
-        connector._raise_on_all_ranks_if_any_failed(None, "Loading the checkpoint from 'x.ckpt'")
+        connector._failures.raise_on_every_rank_if_any_failed(None, "Loading the checkpoint from 'x.ckpt'")
     assert isinstance(info.value, CheckpointError)
     # the failing rank sends the name of its error's type, and raises that type itself
     error = FileNotFoundError(errno.ENOENT, "No such file or directory")
     connector = _connector(rank=0, failed_ranks=[0], type_names=names)
     with pytest.raises(FileNotFoundError) as info:
-        connector._raise_on_all_ranks_if_any_failed(error, "Loading the checkpoint from 'x.ckpt'")
+        connector._failures.raise_on_every_rank_if_any_failed(error, "Loading the checkpoint from 'x.ckpt'")
     assert isinstance(info.value, CheckpointError) and info.value.__cause__ is error
     # a rank that failed too raises its own type
     connector = _connector(rank=1, failed_ranks=[0, 1], type_names=names)
     with pytest.raises(KeyError) as info:
-        connector._raise_on_all_ranks_if_any_failed(KeyError("state_dict"), "Loading")
+        connector._failures.raise_on_every_rank_if_any_failed(KeyError("state_dict"), "Loading")
     assert isinstance(info.value, CheckpointError) and "failed on global rank 0" in str(info.value)
     # a type that the other rank cannot import: plain CheckpointError
     connector = _connector(rank=1, failed_ranks=[0], type_names={0: ("not_here", "Error")})
     with pytest.raises(CheckpointError) as info:
-        connector._raise_on_all_ranks_if_any_failed(None, "Loading")
+        connector._failures.raise_on_every_rank_if_any_failed(None, "Loading")
     assert type(info.value) is CheckpointError
 
 
@@ -240,11 +244,13 @@ def test_misconfiguration_keeps_its_type(_):
     error = MisconfigurationException("unsupported")
     names = {0: ("pytorch_lightning.utilities.exceptions", "MisconfigurationException")}
     with pytest.raises(MisconfigurationException) as info:
-        _connector(rank=0, failed_ranks=[0], type_names=names)._raise_on_all_ranks_if_any_failed(error, "Loading")
+        failures = _connector(rank=0, failed_ranks=[0], type_names=names)._failures
+        failures.raise_on_every_rank_if_any_failed(error, "Loading")
     assert info.value is error
     with pytest.raises(MisconfigurationException, match="failed on global rank 0") as info:
-        _connector(rank=1, failed_ranks=[0], type_names=names)._raise_on_all_ranks_if_any_failed(None, "Loading")
+        failures = _connector(rank=1, failed_ranks=[0], type_names=names)._failures
+        failures.raise_on_every_rank_if_any_failed(None, "Loading")
     assert isinstance(info.value, CheckpointError)
     with pytest.raises(MisconfigurationException) as info:
-        _connector(rank=0, failed_ranks=[], world_size=1)._raise_on_all_ranks_if_any_failed(error, "Loading")
+        _connector(rank=0, failed_ranks=[], world_size=1)._failures.raise_on_every_rank_if_any_failed(error, "Loading")
     assert info.value is error

@@ -104,7 +104,8 @@ class FailingSaves(Callback):
     def _save(self, trainer: Trainer, name: str) -> Dict[str, Any]:
         start = time.monotonic()
         trainer.save_checkpoint(self.folder / name)
-        return {"stall": time.monotonic() - start, "in_flight": trainer.strategy._checkpoint_in_flight is not None}
+        stall = time.monotonic() - start
+        return {"stall": stall, "in_flight": trainer.strategy._checkpoint_state.in_flight is not None}
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
         if trainer.current_epoch != 0:
@@ -333,8 +334,7 @@ def _fixed_name_saves(args: argparse.Namespace, async_checkpoint: bool) -> Dict[
     model = _model()
     model.batches = 4
     trainer.fit(model)
-    group_left = getattr(trainer.strategy, "_async_checkpoint_group", None) is not None
-    result: Dict[str, Any] = {"async_group_left": group_left}
+    result: Dict[str, Any] = {"async_group_left": trainer.strategy._checkpoint_state.background_group is not None}
     if trainer.is_global_zero:
         result.update(files=_saved_steps(folder), logged=logger.seen, tmp=_tmp_files(folder))
     return result
@@ -370,7 +370,7 @@ class StartFails(Callback):
         finally:
             threading.Thread.start = original_start
         self.result.update(
-            in_flight=trainer.strategy._checkpoint_in_flight is not None,
+            in_flight=trainer.strategy._checkpoint_state.in_flight is not None,
             writer_threads=_writer_threads(),
             open_tmp=_open_temporary_files(),
         )
@@ -392,7 +392,7 @@ class InterruptWhileSaving(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
         if trainer.global_step != 2:
             return
-        self.in_flight = trainer.strategy._checkpoint_in_flight is not None
+        self.in_flight = trainer.strategy._checkpoint_state.in_flight is not None
         self.in_wait = False
         if self.during_wait:
             threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -418,9 +418,9 @@ def _interrupted_fit(args: argparse.Namespace, during_wait: bool) -> Dict[str, A
         "status": str(trainer.state.status),
         "was_in_flight": interrupt.in_flight,
         "in_wait": interrupt.in_wait,
-        "in_flight": trainer.strategy._checkpoint_in_flight is not None,
+        "in_flight": trainer.strategy._checkpoint_state.in_flight is not None,
         "writer_threads": _writer_threads(),
-        "async_group_left": trainer.strategy._async_checkpoint_group is not None,
+        "async_group_left": trainer.strategy._checkpoint_state.background_group is not None,
     }
     if trainer.is_global_zero:
         result.update(files=_saved_steps(folder), tmp=_tmp_files(folder))
@@ -468,7 +468,7 @@ def host_memory_scenario(args: argparse.Namespace) -> Dict[str, Any]:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     trainer.save_checkpoint(folder / f"save{index}.ckpt")
-                background = getattr(strategy, "_checkpoint_in_flight", None) is not None
+                background = strategy._checkpoint_state.in_flight is not None
                 strategy.wait_for_checkpoint()
                 logged = [str(w.message) for w in caught if "async_checkpoint=True" in str(w.message)]
                 result["saves"].append({"background": background, "warnings": logged})

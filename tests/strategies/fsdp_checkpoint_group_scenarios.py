@@ -92,7 +92,7 @@ def host_memory_scenario(args: argparse.Namespace) -> Dict[str, Any]:
     # a streamed save holds about one FSDP unit
     trainer.strategy.stream_checkpoint = True
     save_with_headroom(trainer, "streamed-0.5S", 0.5)
-    result["streamed-reason"] = trainer.strategy._last_checkpoint_stream_reason
+    result["streamed-reason"] = trainer.strategy._checkpoint_state.last_stream_reason
 
     # every rank holds the state dict: the ranks of the job add up
     trainer = _fit(args, CPUFullyShardedStrategy(state_dict_on_rank_0_only=False))
@@ -108,7 +108,7 @@ def host_memory_scenario(args: argparse.Namespace) -> Dict[str, Any]:
 
     def recording(name: str) -> Any:
         def p2p(tensor: torch.Tensor, *a: Any, group: Any = None, **k: Any) -> Any:
-            checkpoint_group = group is not None and group is strategy._checkpoint_process_group
+            checkpoint_group = group is not None and group is strategy._checkpoint_state.checkpoint_group
             sent.append({"op": name, "device": tensor.device.type, "checkpoint_group": checkpoint_group})
             return originals[name](tensor, *a, group=group, **k)
 
@@ -178,7 +178,7 @@ def gloo_group_fails(args: argparse.Namespace) -> Dict[str, Any]:
     strategy = UnreachableGlooInterface(stream_checkpoint=False)
     trainer = _fit(args, strategy, plugins=[FullDiskIO()])
     result.update(rank=trainer.global_rank, global_step=trainer.global_step)
-    result["checkpoint_group"] = repr(strategy._checkpoint_process_group)
+    result["checkpoint_group"] = repr(strategy._checkpoint_state.checkpoint_group)
     result["saved"] = _save(trainer, args.out / "saved.ckpt")
     result["full_disk"] = _save(trainer, args.out / "full-disk.ckpt")
     return result
@@ -187,7 +187,7 @@ def gloo_group_fails(args: argparse.Namespace) -> Dict[str, Any]:
 def _timed_save(trainer: Trainer, path: Path) -> Dict[str, Any]:
     start = time.monotonic()
     raised = _save(trainer, path)
-    group = type(trainer.strategy._checkpoint_process_group).__name__
+    group = type(trainer.strategy._checkpoint_state.checkpoint_group).__name__
     return {"raised": raised, "seconds": time.monotonic() - start, "group": group, "written": path.exists()}
 
 

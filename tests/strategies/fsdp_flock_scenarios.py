@@ -83,7 +83,7 @@ def restarted(args: argparse.Namespace) -> Dict[str, Any]:
             trainer.save_checkpoint(ckpts / f"{kind}-{'streamed' if streamed else 'gathered'}.ckpt")
             if streamed:
                 # ``None``: this save was streamed (a reason why not would be kept here)
-                result[f"stream_reason-{kind}"] = trainer.strategy._last_checkpoint_stream_reason
+                result[f"stream_reason-{kind}"] = trainer.strategy._checkpoint_state.last_stream_reason
         if trainer.global_rank == 0:
             streamed_file, gathered_file = load(ckpts / f"{kind}-streamed.ckpt"), load(ckpts / f"{kind}-gathered.ckpt")
             result[f"differences-{kind}"] = differences(streamed_file, gathered_file)

@@ -23,6 +23,14 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 WIDTH = 8
 
 
+def _last_stream_reason(strategy: Any, default: str) -> Optional[str]:
+    """Why the strategy's last save was not streamed (``None``: streamed), ``default`` before any save."""
+    from pytorch_lightning.strategies.fsdp_checkpoint_state import NOT_DECIDED
+
+    reason = strategy._checkpoint_state.last_stream_reason
+    return default if reason is NOT_DECIDED else reason
+
+
 class ResumeModel(FSDPModel):
     """``FSDPModel`` with data that does not depend on the global RNG, so a resumed run sees exactly the batches the
     uninterrupted run saw, and with the model and optimizer layouts users have.
@@ -224,7 +232,7 @@ def report(args: argparse.Namespace, trainer: Trainer, model: ResumeModel, **ext
         "global_step": trainer.global_step,
         "lrs": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
         # why the last save was not streamed (``stream_checkpoint``), ``None`` if it was
-        "stream_reason": getattr(trainer.strategy, "_last_checkpoint_stream_reason", "no save"),
+        "stream_reason": _last_stream_reason(trainer.strategy, "no save"),
         # why the last save with ``async_checkpoint=True`` was synchronous, ``None`` if none was
         "synchronous_reason": getattr(trainer.strategy, "_last_synchronous_reason", None),
     }

@@ -118,7 +118,7 @@ def streamed_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
         suffix = "-weights" if weights_only else ""
         trainer.strategy.stream_checkpoint = True
         trainer.save_checkpoint(args.out / f"streamed{suffix}.ckpt", weights_only=weights_only)
-        result[f"stream_reason{suffix}"] = trainer.strategy._last_checkpoint_stream_reason
+        result[f"stream_reason{suffix}"] = trainer.strategy._checkpoint_state.last_stream_reason
         trainer.strategy.stream_checkpoint = False
         trainer.save_checkpoint(args.out / f"gathered{suffix}.ckpt", weights_only=weights_only)
         if trainer.global_rank == 0:

@@ -29,6 +29,14 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 # Nothing is downloaded: the models come from configs; this makes an accidental hub access fail instead of hang.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
+def _last_stream_reason(strategy: Any, default: str) -> Optional[str]:
+    """Why the strategy's last save was not streamed (``None``: streamed), ``default`` before any save."""
+    from pytorch_lightning.strategies.fsdp_checkpoint_state import NOT_DECIDED
+
+    reason = strategy._checkpoint_state.last_stream_reason
+    return default if reason is NOT_DECIDED else reason
+
 BATCHES = 2  # per rank and epoch
 # where each model's blocks are, for ``--wrapping block``
 BLOCKS = {"gpt2": "transformer.h", "resnet": "resnet.encoder.stages"}
@@ -169,7 +177,7 @@ def cases(args: argparse.Namespace) -> Dict[str, Any]:
                 "straight": final_state(straight),
                 "resumed": final_state(resumed),
                 # why ModelCheckpoint's saves were not streamed, ``None`` if they were
-                "stream_reason": getattr(straight.strategy, "_last_checkpoint_stream_reason", "not streamed"),
+                "stream_reason": _last_stream_reason(straight.strategy, "not streamed"),
                 "global_steps": [straight.global_step, resumed.global_step],
                 "split_warnings": straight_warnings + resumed_warnings,
             }

@@ -67,13 +67,15 @@ def test_loop_errors_are_kept_only_while_a_save_gathers_the_state() -> None:
     """Outside ``Trainer.save_checkpoint`` (a direct call of ``lightning_module_state_dict``, say) a failed loop
     raises at its end; during a save the first error is kept for the save to raise on every rank."""
     from pytorch_lightning.strategies import DDPFullyShardedStrategy
+    from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 
     strategy = DDPFullyShardedStrategy()
+    state = strategy._checkpoint_state
     with pytest.raises(ValueError, match="direct"):
-        strategy._record_checkpoint_error(ValueError("direct"))
-    assert strategy._pop_checkpoint_error() is None
-    strategy._defer_checkpoint_errors = True
-    strategy._record_checkpoint_error(ValueError("first"))
-    strategy._record_checkpoint_error(KeyError("second"))
-    assert str(strategy._pop_checkpoint_error()) == "first"
-    assert strategy._pop_checkpoint_error() is None
+        state.record_error(ValueError("direct"))
+    assert state.session is None  # nothing kept the error
+    session = state.session = _SaveSession(gathering=True)
+    state.record_error(ValueError("first"))
+    state.record_error(KeyError("second"))
+    assert str(session.pop_error()) == "first"
+    assert session.pop_error() is None

@@ -17,21 +17,26 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from typing_extensions import override
 
-from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
+from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit, _shards_to_copy
+from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _piece_offsets
+from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.strategies.fsdp_streaming_save import FSDPStreamingSaveMixin
+from pytorch_lightning.trainer.connectors.checkpoint_failures import _raise_on_every_rank_if_any_failed
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.checkpoint_errors import (
     _checkpoint_process_group,
     _checkpoint_timeout,
-    _exchange_failure_flags,
+    _exchange_flags,
     _failure_flag_buffers,
+    _flagged_ranks,
     _new_checkpoint_process_group,
 )
 from pytorch_lightning.utilities.checkpoint_groups import _hold_process_group, _release_process_group
-from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _gather_to_first_rank
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
+from pytorch_lightning.utilities.streamed_checkpoint_file import _committed_if_complete, _StreamedCheckpointFile
 from pytorch_lightning.utilities.types import _PATH
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,13 @@ class _StateShard(NamedTuple):
     placeholder: Optional[torch.Tensor]
 
 
+class _ShardCopies(NamedTuple):
+    """This rank's copies of its shards for one save in the background, in the order of the placeholders."""
+
+    units: List[_UnitShard]
+    states: List[_StateShard]
+
+
 class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
     """Methods of ``DDPFullyShardedStrategy`` that write streamed checkpoints in the background."""
 
@@ -77,13 +89,12 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         Raises:
             CheckpointError: on every rank, if the save failed on any rank; the previous file at its path is intact.
         """
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         if job is None:
             return
         # the job stays in flight until every rank knows how it ended: a ``KeyboardInterrupt`` up to then leaves it
         # to ``_finish_checkpoint_in_flight_alone``
         job.join()
-        connector = self.lightning_module.trainer._checkpoint_connector
         group = _checkpoint_process_group(self)
         # a rank whose writer thread failed inside a collective leaves the others' threads waiting in it until the
         # background group's timeout: wait for them that long, and as long again for the exchange itself
@@ -91,11 +102,12 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         try:
             if extend:
                 group.set_timeout(2 * _checkpoint_timeout())
-            connector._raise_on_all_ranks_if_any_failed(
+            _raise_on_every_rank_if_any_failed(
+                self.lightning_module.trainer,
                 job.error, f"Saving the checkpoint to {str(job.filepath)!r} in the background"
             )
         except Exception:
-            self._checkpoint_in_flight = None
+            self._checkpoint_state.in_flight = None
             # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
             # the next save makes a new one
             self._drop_background_process_group()
@@ -103,8 +115,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         finally:
             if extend:
                 group.set_timeout(_checkpoint_timeout())
-        self._checkpoint_in_flight = None
-        self._host_copy_pool = job.copies
+        self._checkpoint_state.in_flight = None
+        self._checkpoint_state.host_copy_pool = job.copies
         self._remove_replaced_checkpoints(job)
         job.run_after_commit()
 
@@ -122,28 +134,27 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
                 log.warning(f"Could not remove the replaced checkpoint {str(path)!r}: {ex}")
 
     @override
-    def _prepare_checkpoint_stream(
+    def _begin_checkpoint_save(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
-    ) -> None:
+    ) -> _SaveSession:
         # the save before this one first: at most one is in flight, and its failure is raised before a new one starts
         self.wait_for_checkpoint()
-        self._checkpoint_path = filepath
-        super()._prepare_checkpoint_stream(filepath, weights_only, storage_options)
+        return super()._begin_checkpoint_save(filepath, weights_only, storage_options)
 
     @override
     def _write_streamed_units(self, stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile]) -> None:
         if not self._saves_in_background() or not _host_copies_fit(self, stream, writer):
             return super()._write_streamed_units(stream, writer)
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
         job: Optional[_BackgroundSave] = None
         try:
             with guard.catch():
-                units, states = self._copy_shards(stream)
+                copies = self._copy_shards(stream)
             if guard.agree():
                 # collective, and it raises on every rank if it failed on any: made only once every rank has its copies
                 group = self._background_process_group()
                 with guard.catch():
-                    job = self._new_background_save(writer, group, units, states)
+                    job = self._new_background_save(writer, group, copies)
             failed_ranks = guard.settle()
         except BaseException:
             _abandon_start(job, writer)
@@ -155,28 +166,28 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             guard.raise_if_failed()
         assert job is not None
         # in flight before its thread runs a collective: whatever runs next on this thread sees it
-        self._checkpoint_in_flight = job
+        self._checkpoint_state.in_flight = job
         job.launch()
 
     def _background_process_group(self) -> Optional[Any]:
         """The background threads' own gloo group, made at their first save; ``None`` on one process. Collective
         when it is made: a process group must not be used by two threads at once, and the training thread keeps using
         the checkpoint and FSDP groups."""
-        if self.world_size > 1 and getattr(self, "_async_checkpoint_group", None) is None:
-            _hold_process_group(self, "_async_checkpoint_group", _new_checkpoint_process_group(self))
-        return getattr(self, "_async_checkpoint_group", None)
+        state = self._checkpoint_state
+        if self.world_size > 1 and state.background_group is None:
+            _hold_process_group(state, "background_group", _new_checkpoint_process_group(self))
+        return state.background_group
 
     def _drop_background_process_group(self) -> None:
         """Destroy the background threads' group (every rank is here): after a failed collective it is not used
         again, and at the end of a stage it is not needed; the next background save makes a new one."""
-        _release_process_group(self, "_async_checkpoint_group")
+        _release_process_group(self._checkpoint_state, "background_group")
 
     def _new_background_save(
         self,
         writer: Optional[_StreamedCheckpointFile],
         group: Optional[Any],
-        units: List[_UnitShard],
-        states: List[_StateShard],
+        copies: "_ShardCopies",
     ) -> "_BackgroundSave":
         """A started :class:`_BackgroundSave` whose thread waits for :meth:`_BackgroundSave.launch`."""
         event = None
@@ -184,7 +195,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             # the copies to pinned host memory were queued on the current stream: the thread waits for them
             event = torch.cuda.Event()
             event.record()
-        job = _BackgroundSave(self, self._checkpoint_path, writer, group, units, states, event)
+        job = _BackgroundSave(self, self._checkpoint_state.session.filepath, writer, group, copies, event)
         job.start()
         return job
 
@@ -193,7 +204,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         if not self.async_checkpoint:
             return False
         state = self.lightning_module.trainer.state
-        if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or getattr(self, "_background_closed", False):
+        closed = self._checkpoint_state.background_closed
+        if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or closed:
             reason = (
                 "it is saved outside `Trainer.fit` (or after its teardown began), which waits for a save in flight"
                 " at its end"
@@ -202,47 +214,42 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             reason = "`PL_CHECKPOINT_GLOO_GROUP=0`: the background thread needs a gloo group of its own"
         else:
             return True
-        if reason != getattr(self, "_last_synchronous_reason", None):
-            self._last_synchronous_reason = reason
+        if reason != self._checkpoint_state.last_synchronous_reason:
+            self._checkpoint_state.last_synchronous_reason = reason
             rank_zero_info(
                 f"`DDPFullyShardedStrategy(async_checkpoint=True)`: the checkpoint is saved synchronously, because {reason}."
             )
         return False
 
-    def _copy_shards(self, stream: _CheckpointStream) -> Tuple[List[_UnitShard], List[_StateShard]]:
+    def _copy_shards(self, stream: _CheckpointStream) -> _ShardCopies:
         """This rank's copies of its shards of the FSDP parameters and, unless the save is weights-only, of their
         optimizer state, in the order the placeholders of ``stream`` were made; on global rank 0 with their places."""
         # the copies of the previous save in the background, reused where they fit: allocating (and, on the CPU,
         # faulting in) a shard-sized buffer per tensor costs more than the copy itself
-        pool = _HostCopies(getattr(self, "_host_copy_pool", []))
-        self._host_copy_pool = []
+        pool = _HostCopies(self._checkpoint_state.host_copy_pool)
+        self._checkpoint_state.host_copy_pool = []
         by_source: Dict[Tuple[int, int], List[torch.Tensor]] = {}
         for key, source in stream.model_sources.items():
             by_source.setdefault(source, []).append(stream.model[key])
+        flats, tensors = _shards_to_copy(self, stream.weights_only)
         units = []
-        for instance in self._fsdp_modules():
-            for flat in instance.params:
-                starts = [0]
-                for numel in flat._param_numels:
-                    starts.append(starts[-1] + numel)
-                pieces = [
-                    (placeholder, starts[i], starts[i + 1])
-                    for i in range(len(flat._param_numels))
-                    for placeholder in by_source.get((id(flat), i), [])
-                ]
-                shard = getattr(flat, "_fp32_shard", flat.data)
-                units.append(_UnitShard(pool.copy(shard), starts[-1], pieces))
-        states = []
-        if not stream.weights_only:
-            for index, optimizer in enumerate(self.optimizers):
-                for _, key, value, numel in self._streamed_optimizer_tensors(optimizer, index):
-                    placeholder = stream.optimizer_placeholders.get(key)
-                    states.append(_StateShard(pool.copy(value.reshape(-1)), numel, placeholder))
-        return units, states
+        for flat in flats:
+            starts = _piece_offsets(flat)
+            pieces = [
+                (placeholder, starts[i], starts[i + 1])
+                for i in range(len(flat._param_numels))
+                for placeholder in by_source.get((id(flat), i), [])
+            ]
+            units.append(_UnitShard(pool.copy(_flat_shard(flat)), starts[-1], pieces))
+        states = [
+            _StateShard(pool.copy(value), numel, stream.optimizer_placeholders.get(key))
+            for key, value, numel in tensors
+        ]
+        return _ShardCopies(units, states)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         if job is not None:
             # until the save in flight is committed, this file may be the only complete checkpoint on disk
             job.removals.append(filepath)
@@ -257,16 +264,16 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
     @override
     def setup_environment(self) -> None:
         # a new ``Trainer.fit`` (or another stage): saves may go to the background again until its teardown
-        self._background_closed = False
+        self._checkpoint_state.background_closed = False
         super().setup_environment()
 
     @override
     def teardown(self) -> None:
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         trainer = getattr(self.lightning_module, "trainer", None)
         # from here on nothing waits for a save in the background: ``on_fit_end`` and ``teardown`` hooks save
         # synchronously
-        self._background_closed = True
+        self._checkpoint_state.background_closed = True
         try:
             if job is not None and trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
                 # another error stops this rank, maybe alone: no collective, only this rank's part of the save
@@ -275,7 +282,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
                 self.wait_for_checkpoint()
         finally:
             # the host copies kept for the next save in the background: there is none before the next fit
-            self._host_copy_pool = []
+            self._checkpoint_state.host_copy_pool = []
             if job is None or not job.running():
                 # an abandoned save's threads still use the group until their next agreement
                 self._drop_background_process_group()
@@ -283,13 +290,13 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
 
     def _in_flight_checkpoint_path(self) -> Optional[_PATH]:
         """The path of the checkpoint being saved in the background, ``None`` if none is."""
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         return None if job is None else job.filepath
 
     def _run_once_committed(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on this rank once the checkpoint being saved in the background is committed, in the
         training thread (never if it fails); at once if none is in flight."""
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         if job is None:
             callback()
         else:
@@ -301,7 +308,7 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
         go on with their own parts, so the save completes where every rank gets here; where a rank died it fails at
         the background group's timeout. A second ``KeyboardInterrupt`` while waiting abandons the save: every
         thread stops at its next agreement and the temporary file is removed."""
-        job = getattr(self, "_checkpoint_in_flight", None)
+        job = self._checkpoint_state.in_flight
         if job is None:
             return
         path = str(job.filepath)
@@ -312,16 +319,16 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
             job.join()
         except KeyboardInterrupt:
             job.abandon()
-            self._checkpoint_in_flight = None
+            self._checkpoint_state.in_flight = None
             # its thread may still use the group until its next agreement: the next save makes a new one
-            self._async_checkpoint_group = None
+            self._checkpoint_state.background_group = None
             log.error(
                 f"The checkpoint being saved to {path!r} in the background was abandoned: unless it was complete"
                 " already, the file at that path is the previous one, and the files it was to replace are kept."
             )
             return
-        self._checkpoint_in_flight = None
-        self._host_copy_pool = []
+        self._checkpoint_state.in_flight = None
+        self._checkpoint_state.host_copy_pool = []
         self._drop_background_process_group()
         self._remove_replaced_checkpoints(job)
         if job.error is not None:
@@ -336,8 +343,8 @@ class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
 
 class _BackgroundSave:
     """One checkpoint written in the background: on every rank a thread sends this rank's shards to global rank 0,
-    unit by unit, over the strategy's ``_async_checkpoint_group``; rank 0 writes them into ``writer`` and commits it
-    if every rank succeeded.
+    unit by unit, over the strategy's background group (``_checkpoint_state.background_group``); rank 0 writes them
+    into ``writer`` and commits it if every rank succeeded.
 
     The ranks agree before each gather (see :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`,
     over the same group), so a failure on one rank stops every rank's thread there. The outcome is this rank's
@@ -350,13 +357,12 @@ class _BackgroundSave:
         filepath: _PATH,
         writer: Optional[_StreamedCheckpointFile],
         group: Optional[Any],
-        units: List[_UnitShard],
-        states: List[_StateShard],
+        copies: "_ShardCopies",
         event: Optional[Any],
     ) -> None:
-        self.writer, self.units, self.states, self.event = writer, units, states, event
+        self.writer, self.units, self.states, self.event = writer, copies.units, copies.states, event
         #: the host copies, handed back for the next save once this one is done
-        self.copies = [unit.shard for unit in units] + [state.shard for state in states]
+        self.copies = [unit.shard for unit in copies.units] + [state.shard for state in copies.states]
         self.filepath = filepath
         self.rank, self.world_size = strategy.global_rank, strategy.world_size
         self.group = group
@@ -368,7 +374,7 @@ class _BackgroundSave:
             # the group, not ``self``: a cycle through this job would keep the group, and its gloo threads, alive
             # until a garbage collection, maybe the finalizing interpreter's (see ``checkpoint_groups``)
             def exchange(failed: bool) -> List[int]:
-                return _exchange_failure_flags(strategy, failed, buffers, group)
+                return _flagged_ranks(_exchange_flags(strategy, failed, buffers, group))
 
         else:
 
@@ -450,51 +456,34 @@ class _BackgroundSave:
         try:
             if self.event is not None:
                 self.event.synchronize()
-            for unit in self.units:
-                shards = self._gather(unit.shard)
-                if shards is None:
-                    break
-                if self.writer is not None:
-                    with guard.catch():
-                        _write_pieces(self.writer, unit, shards)
-            for state in self.states:
-                shards = self._gather(state.shard)
-                if shards is None:
-                    break
-                if self.writer is not None:
-                    with guard.catch():
-                        _write_flat(self.writer, state, shards)
-            failed_ranks = guard.settle()
-            if self.writer is not None:
-                if failed_ranks:
-                    self.writer.discard()
-                else:
-                    self.writer.commit()
-                    self.committed = True
-                    if self.abandoned:
-                        log.warning(f"The abandoned checkpoint {str(self.filepath)!r} was complete: it is committed.")
+            with _committed_if_complete(self.writer):
+                self._gather_and_write()
+                if not guard.settle() and self.writer is not None:
+                    self.writer.complete = True
+            self.committed = self.writer is not None and self.writer.committed
+            if self.committed and self.abandoned:
+                log.warning(f"The abandoned checkpoint {str(self.filepath)!r} was complete: it is committed.")
             self.error = guard.error_to_raise()
         except BaseException as ex:
             # e.g. the group's timeout: this rank's own error, raised by ``wait_for_checkpoint`` on every rank
             self.error = ex
-            if self.writer is not None:
-                self.writer.discard()
         finally:
             self.units, self.states = [], []
 
-    def _gather(self, shard: torch.Tensor) -> Optional[List[torch.Tensor]]:
-        """Every rank's ``shard`` on global rank 0 (``[]`` on the others), or ``None`` once a rank failed."""
-        guard = self.guard
-        received = None
-        if self.rank == 0 and self.world_size > 1 and not guard.stopped:
-            with guard.catch():
-                received = [torch.empty_like(shard) for _ in range(self.world_size)]
-        if not guard.agree():
-            return None
-        if self.world_size == 1:
-            return [shard]
-        torch.distributed.gather(shard, received, dst=0, group=self.group)
-        return received if self.rank == 0 else []
+    def _gather_and_write(self) -> None:
+        """Gather every rank's shards to global rank 0, one tensor at a time, and write each piece into its place
+        there; stops on every rank once a rank failed."""
+        pieces = [(unit.shard, unit.numel, unit.pieces) for unit in self.units]
+        # an optimizer-state tensor is flat, as FairScale consolidates it: one piece, the whole tensor
+        pieces += [(state.shard, state.numel, [(state.placeholder, 0, state.numel)]) for state in self.states]
+        for shard, numel, places in pieces:
+            shards = _gather_to_first_rank(shard, self.guard, self.group, self.world_size)
+            if shards is None:
+                return
+            if self.writer is not None:
+                with self.guard.catch():
+                    for placeholder, start, end in places:
+                        self.writer.write_shards(placeholder, shards, numel, start, end)
 
 
 class _HostCopies:
@@ -528,30 +517,6 @@ def _abandon_start(job: Optional[_BackgroundSave], writer: Optional[_StreamedChe
         job.cancel()
     if writer is not None:
         writer.discard()
-
-
-def _valid_ranges(shards: List[torch.Tensor], numel: int) -> List[Tuple[int, int]]:
-    """For each rank's shard of a flat tensor of ``numel`` elements, the range of the flat tensor it holds (FSDP pads
-    the last shards with zeros)."""
-    chunk = shards[0].numel()
-    return [(min(rank * chunk, numel), min((rank + 1) * chunk, numel)) for rank in range(len(shards))]
-
-
-def _write_pieces(writer: _StreamedCheckpointFile, unit: _UnitShard, shards: List[torch.Tensor]) -> None:
-    """Write each piece of a flat parameter into its placeholder, straight from the ranks' shards."""
-    ranges = _valid_ranges(shards, unit.numel)
-    for placeholder, start, end in unit.pieces:
-        for shard, (lo, hi) in zip(shards, ranges):
-            first, last = max(start, lo), min(end, hi)
-            if first < last:
-                writer.write(placeholder, shard[first - lo : last - lo], element_offset=first - start)
-
-
-def _write_flat(writer: _StreamedCheckpointFile, state: _StateShard, shards: List[torch.Tensor]) -> None:
-    """Write an optimizer-state tensor, flat as FairScale consolidates it, into its placeholder."""
-    for shard, (lo, hi) in zip(shards, _valid_ranges(shards, state.numel)):
-        if lo < hi:
-            writer.write(state.placeholder, shard[: hi - lo], element_offset=lo)
 
 
 def _note_on_current_exception(note: str) -> None:

@@ -11,7 +11,10 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _host_memory_shortfall
+from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _fsdp_instances, _outermost_fsdp_instances
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+from pytorch_lightning.strategies.fsdp_streaming_save import _streamed_optimizer_tensors
 from pytorch_lightning.utilities.host_memory import format_bytes, pinned_host_bytes
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
@@ -30,7 +33,7 @@ def _host_copies_fit(
         writer: on global rank 0, the file being written, discarded if the check fails (its all-gather, say).
     """
     try:
-        short = strategy._host_memory_shortfall(*_host_copy_need(strategy, stream))
+        short = _host_memory_shortfall(strategy, *_host_copy_need(strategy, stream))
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -45,6 +48,22 @@ def _host_copies_fit(
     return False
 
 
+def _shards_to_copy(
+    strategy: Any, weights_only: bool
+) -> Tuple[List[torch.nn.Parameter], List[Tuple[Tuple[Any, ...], torch.Tensor, int]]]:
+    """What a save in the background copies to host memory, in the order of the placeholders: the flat parameters,
+    whose shards it copies, and unless the save is ``weights_only`` the FSDP parameters' optimizer-state tensors, flat,
+    with the keys of their placeholders and their number of elements without FSDP's padding."""
+    flats = [flat for instance in _fsdp_instances(strategy.lightning_module) for flat in instance.params]
+    states = []
+    roots = _outermost_fsdp_instances(strategy.lightning_module)
+    if not weights_only:
+        for index, optimizer in enumerate(strategy.optimizers):
+            tensors = _streamed_optimizer_tensors(optimizer, index, roots)
+            states += [(key, value.reshape(-1), numel) for _, key, value, numel in tensors]
+    return flats, states
+
+
 def _host_copy_need(strategy: Any, stream: _CheckpointStream) -> Tuple[int, str]:
     """The bytes of host memory this rank allocates for a save in the background, and what for: a copy of each of its
     shards of the FSDP parameters and, unless the save is weights-only, of their optimizer state (the tensors
@@ -54,14 +73,10 @@ def _host_copy_need(strategy: Any, stream: _CheckpointStream) -> Tuple[int, str]
     # imported here: fsdp_async_checkpoint imports this module
     from pytorch_lightning.strategies.fsdp_async_checkpoint import _HostCopies
 
-    sources: List[torch.Tensor] = [
-        getattr(flat, "_fp32_shard", flat.data) for instance in strategy._fsdp_modules() for flat in instance.params
-    ]
-    if not stream.weights_only:
-        for index, optimizer in enumerate(strategy.optimizers):
-            sources += [value.reshape(-1) for _, _, value, _ in strategy._streamed_optimizer_tensors(optimizer, index)]
+    flats, states = _shards_to_copy(strategy, stream.weights_only)
+    sources = [_flat_shard(flat) for flat in flats] + [value for _, value, _ in states]
     reusable = Counter(
-        _HostCopies._key(b.shape, b.dtype, b.is_pinned()) for b in getattr(strategy, "_host_copy_pool", [])
+        _HostCopies._key(b.shape, b.dtype, b.is_pinned()) for b in strategy._checkpoint_state.host_copy_pool
     )
     pageable = pinned = copies = 0
     for source in sources:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+import pytorch_lightning as pl
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_guarded_gathers import (
@@ -17,6 +18,7 @@ from pytorch_lightning.strategies.fsdp_guarded_gathers import (
     _check_fairscale_interposable,
     _reset_interrupted_gathers,
 )
+from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _fsdp_instances
 from pytorch_lightning.utilities.checkpoint_errors import (
     _all_gather_objects,
     _catching_state_dict_hooks,
@@ -25,9 +27,10 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _checkpoint_timeout,
     _close_checkpoint_process_group,
     _ClosedCheckpointGroup,
-    _exchange_failure_flags,
-    _exchange_flag_values,
+    _exchange_flags,
+    _failed_ranks,
     _failure_flag_buffers,
+    _flagged_ranks,
     FINAL_EXCHANGE_FLAG,
     _new_checkpoint_process_group,
     _not_every_rank_began,
@@ -46,19 +49,20 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
 
     def _setup_checkpoint_process_group(self) -> None:
         _check_fairscale_interposable()  # at setup, not in the middle of the first save
-        group = getattr(self, "_checkpoint_process_group", None)
+        state = self._checkpoint_state
+        group = state.checkpoint_group
         if group is not None:
             # a later stage (every rank gets here, and every rank has a group): replace the group where a failed
             # collective closed it on any rank, on every rank at once, since creating a group takes all of them
             if self.reduce_boolean_decision(not isinstance(group, _ClosedCheckpointGroup)):
                 return
             if isinstance(group, _ClosedCheckpointGroup):
-                self._checkpoint_process_group = None
+                state.checkpoint_group = None
             else:
-                _release_process_group(self, "_checkpoint_process_group")
+                _release_process_group(state, "checkpoint_group")
         # the group for the checkpoint failure-flag exchange, which waits for rank 0's writes as long as
         # ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
-        _hold_process_group(self, "_checkpoint_process_group", _new_checkpoint_process_group(self))
+        _hold_process_group(state, "checkpoint_group", _new_checkpoint_process_group(self))
 
     def _agree_on_checkpoint_arrival(self, action: str) -> None:
         """Return once every rank has begun this checkpoint save, before any other collective of it. Collective.
@@ -86,15 +90,16 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         try:
             if bounded:
                 group.set_timeout(waited)
-            _exchange_flag_values(self, 0, group=group)
+            _exchange_flags(self, 0, group=group)
         except Exception as ex:
             _close_checkpoint_process_group(self, f"the ranks did not all begin a checkpoint save ({action})")
             raise _not_every_rank_began(action, type(self).__name__, waited, ex) from ex
         if bounded:
             group.set_timeout(_checkpoint_timeout())
 
-    def _gather_state_dict_on_every_rank(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """``gather()``, FairScale's collective state-dict gather, or ``None`` where it failed on any rank.
+    def _gather_full_state_dict(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """``gather()``, FairScale's collective state-dict gather (to global rank 0 with
+        ``state_dict_on_rank_0_only=True``), or ``None`` where it failed on any rank.
 
         First the ranks check that they have the host memory for what they will hold (see
         :meth:`_check_host_memory_for_checkpoint`); if the ranks under one bound do not, no rank gathers anything.
@@ -102,35 +107,35 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`), so a failure on one rank, inside
         FairScale's gather of a unit (allocating its full parameters) or in FairScale's state-dict hook (which copies
         the unit's tensors), stops every rank before the next collective. The error is raised by
-        ``Trainer.save_checkpoint`` on every rank before anything is written (see :meth:`_record_checkpoint_error`).
+        ``Trainer.save_checkpoint`` on every rank before anything is written (see
+        :meth:`~pytorch_lightning.strategies.fsdp_checkpoint_state._FSDPCheckpointState.record_error`).
         """
-        modules = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
+        modules = _fsdp_instances(self.lightning_module)
         memory_error, short_ranks = self._check_host_memory_for_checkpoint(modules)
-        # read by ``optimizer_state``: then no rank consolidates the optimizer state of this save either
-        self._checkpoint_abandoned = bool(short_ranks)
+        session = self._checkpoint_state.gathering_session()
+        if session is not None:
+            # read by ``optimizer_state``: then no rank consolidates the optimizer state of this save either
+            session.abandoned = bool(short_ranks)
         if short_ranks:
             # no rank gathers: a rank that ran out of host memory in the middle of the gather would be killed
             if memory_error is not None:
-                self._record_checkpoint_error(memory_error)
-            elif not getattr(self, "_defer_checkpoint_errors", False):
+                self._checkpoint_state.record_error(memory_error)
+            elif session is None:
                 raise RuntimeError(
                     f"The state dict was not gathered: global rank {short_ranks[0]} lacks the host memory for it."
                 )
             return None
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
         state_dict = None
         with _catching_state_dict_hooks(modules, guard), _agreeing_fairscale_collectives(guard, self._process_group):
             try:
-                state_dict = gather()
+                with guard.catch():
+                    state_dict = gather()
             except _PeerFailed:
-                pass
-            except Exception as ex:
-                guard.record(ex)
+                pass  # another rank failed: this one stopped with it
             finally:
                 _reset_interrupted_gathers(modules)
-        if guard.settle():
-            self._checkpoint_abandoned = True
-            self._record_checkpoint_error(guard.error_to_raise())
+        if self._checkpoint_state.abandon_if_failed(guard):
             return None
         return state_dict
 
@@ -143,7 +148,7 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
         """
         if not modules:
             return None, []
-        short = self._host_memory_shortfall(*self._host_memory_needed(modules))
+        short = _host_memory_shortfall(self, *self._host_memory_needed(modules))
         if short is None:
             return None, []
         if self.global_rank not in short.ranks:
@@ -155,32 +160,6 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
             ),
             short.ranks,
         )
-
-    def _host_memory_shortfall(self, needed: int, what: str) -> Optional["_HostMemoryShortfall"]:
-        """The first bound on host memory under which the ranks need more than it has, or ``None``: the same on
-        every rank. Collective when more than one process runs.
-
-        The bounds are each host's ``MemAvailable`` and the limit of each memory cgroup (a container's, a Slurm
-        job's) minus what it uses; the needs of the ranks that share one add up. See
-        :func:`~pytorch_lightning.utilities.host_memory.host_memory_bounds`.
-
-        Args:
-            needed: the bytes of host memory this rank is about to allocate.
-            what: what for, for the message.
-        """
-        report = (needed, host_memory_bounds() if needed else [])
-        if distributed_available() and self.world_size > 1:
-            reports = _all_gather_objects(self, (report, what))
-        else:
-            reports = [(report, what)]
-        short = overcommitted_bound([r for r, _ in reports])
-        if short is None:
-            return None
-        bound, ranks, total = short
-        held = "; ".join(f"global rank {rank}: {reports[rank][1]}" for rank in ranks[:4])
-        if len(ranks) > 4:
-            held += f"; and {len(ranks) - 4} more ranks"
-        return _HostMemoryShortfall(bound, ranks, total, held)
 
     def _host_memory_needed(self, modules: List["FullyShardedDataParallel"]) -> Tuple[int, str]:
         """The bytes of host memory this rank will hold while the checkpoint is gathered, and what for.
@@ -199,62 +178,69 @@ class FSDPCheckpointErrorsMixin(DDPStrategy):
                 state_dict = _full_state_dict_bytes(modules)
                 needed += state_dict
                 held.append(f"the state dict, {format_bytes(state_dict)}")
-        saving_optimizers = getattr(self, "_defer_checkpoint_errors", False) and not getattr(
-            self, "_checkpoint_weights_only", False
-        )
+        session = self._checkpoint_state.gathering_session()
+        saving_optimizers = session is not None and not session.weights_only
         if saving_optimizers and self.global_rank == 0:
             optimizer_states = _consolidated_optimizer_state_bytes(self.optimizers, modules)
             needed += optimizer_states
             held.append(f"the consolidated optimizer state, {format_bytes(optimizer_states)}")
         return needed, " and ".join(held) or "nothing"
 
-    def _exchange_checkpoint_failure_flags(
-        self, failed: bool, buffers: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None
-    ) -> List[int]:
-        """The global ranks that report ``failed``. Collective when more than one process runs."""
-        if not distributed_available() or self.world_size < 2:
-            return [self.global_rank] if failed else []
-        return _exchange_failure_flags(self, failed, buffers)
 
-    def _new_collective_guard(self) -> _CollectiveGuard:
-        """The guard of one per-unit loop of a checkpoint (see
-        :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`). Its agreements exchange over tensors
-        allocated here, before the loop's first step: a rank that ran out of memory still takes part in them."""
-        if not distributed_available() or self.world_size < 2:
-            return _CollectiveGuard(lambda failed: self._exchange_checkpoint_failure_flags(failed))
-        buffers = _failure_flag_buffers(self)
 
-        def exchange(failed: bool) -> List[int]:
-            flags = _exchange_flag_values(self, failed, buffers)
-            failed_ranks = [rank for rank, flag in enumerate(flags) if flag]
-            if FINAL_EXCHANGE_FLAG in flags:
-                # a rank that failed outside the loop is in the final exchange of the save (or load) already, and
-                # goes on to broadcast its error: this rank joins it there, with these flags, after leaving the loop
-                self._checkpoint_final_flags = failed_ranks
-            return failed_ranks
+def _new_checkpoint_guard(strategy: "pl.strategies.DDPFullyShardedStrategy") -> _CollectiveGuard:
+    """The guard of one per-unit loop of a checkpoint of ``strategy`` (see
+    :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`). Its agreements exchange over tensors
+    allocated here, before the loop's first step: a rank that ran out of memory still takes part in them."""
+    if not distributed_available() or strategy.world_size < 2:
+        return _CollectiveGuard(lambda failed: _failed_ranks(strategy, failed))
+    buffers = _failure_flag_buffers(strategy)
 
-        return _CollectiveGuard(exchange)
+    def exchange(failed: bool) -> List[int]:
+        flags = _exchange_flags(strategy, failed, buffers)
+        failed_ranks = _flagged_ranks(flags)
+        if FINAL_EXCHANGE_FLAG in flags:
+            # a rank that failed outside the loop is in the final exchange of the save (or load) already, and goes
+            # on to broadcast its error: this rank joins it there, with these flags, after leaving the loop
+            strategy._checkpoint_state.final_flags = failed_ranks
+        return failed_ranks
 
-    def _record_checkpoint_error(self, error: BaseException) -> None:
-        """Called at the end of a per-unit loop of :meth:`lightning_module_state_dict` or :meth:`optimizer_state`
-        that failed on this rank (a ``_PeerFailed`` on the ranks that stopped because another one failed): while
-        ``Trainer.save_checkpoint`` gathers the state (``_defer_checkpoint_errors``), the first ``error`` is kept
-        instead of raised, since the ranks go on into the next collectives of the checkpoint (the failure-flag
-        exchanges); the save takes it (``_pop_checkpoint_error``) once all of them have run and raises it on every
-        rank, before anything is written. Called outside a save, this raises ``error``."""
-        if not getattr(self, "_defer_checkpoint_errors", False):
-            raise error
-        if getattr(self, "_checkpoint_error", None) is None:
-            self._checkpoint_error = error
+    return _CollectiveGuard(exchange)
 
-    def _pop_checkpoint_error(self) -> Optional[BaseException]:
-        error, self._checkpoint_error = getattr(self, "_checkpoint_error", None), None
-        return error
+
+def _host_memory_shortfall(
+    strategy: "pl.strategies.DDPFullyShardedStrategy", needed: int, what: str
+) -> Optional["_HostMemoryShortfall"]:
+    """The first bound on host memory under which the ranks need more than it has, or ``None``: the same on every
+    rank. Collective when more than one process runs.
+
+    The bounds are each host's ``MemAvailable`` and the limit of each memory cgroup (a container's, a Slurm job's)
+    minus what it uses; the needs of the ranks that share one add up. See
+    :func:`~pytorch_lightning.utilities.host_memory.host_memory_bounds`.
+
+    Args:
+        strategy: the strategy whose ranks report their needs.
+        needed: the bytes of host memory this rank is about to allocate.
+        what: what for, for the message.
+    """
+    report = (needed, host_memory_bounds() if needed else [])
+    if distributed_available() and strategy.world_size > 1:
+        reports = _all_gather_objects(strategy, (report, what))
+    else:
+        reports = [(report, what)]
+    short = overcommitted_bound([r for r, _ in reports])
+    if short is None:
+        return None
+    bound, ranks, total = short
+    held = "; ".join(f"global rank {rank}: {reports[rank][1]}" for rank in ranks[:4])
+    if len(ranks) > 4:
+        held += f"; and {len(ranks) - 4} more ranks"
+    return _HostMemoryShortfall(bound, ranks, total, held)
 
 
 class _HostMemoryShortfall(NamedTuple):
     """A bound on host memory that the ranks under it need more than (see
-    :meth:`FSDPCheckpointErrorsMixin._host_memory_shortfall`).
+    :func:`_host_memory_shortfall`).
 
     Args:
         bound: the bound, with what is available under it.
@@ -276,7 +262,7 @@ def _full_state_dict_bytes(modules: List["FullyShardedDataParallel"]) -> int:
     for module in modules:
         for param in module.params:
             size = getattr(param, "_orig_size", param.shape)
-            total += size.numel() * getattr(param, "_fp32_shard", param).element_size()
+            total += size.numel() * _flat_shard(param).element_size()
     buffers = {id(b): (b, m.mixed_precision) for m in modules for b in m.buffers()}
     for buffer, mixed_precision in buffers.values():
         full_precision = mixed_precision and buffer.is_floating_point()

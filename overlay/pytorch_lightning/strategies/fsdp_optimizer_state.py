@@ -4,7 +4,7 @@ global rank 0 one FSDP instance at a time, in FairScale's format, and re-shards 
 The hooks are ``DDPFullyShardedStrategy``'s base class and ``configure_ddp``, which checks the layout.
 """
 # fork-feature: fork/fsdp-consolidated-optimizer-state.patch
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TYPE_CHECKING
 
 import torch
 from torch.optim import Optimizer
@@ -13,24 +13,23 @@ from typing_extensions import override
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.utilities.apply_func import apply_to_collection
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives
+from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances, _outermost_fsdp_instances
 from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
-from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _PeerFailed
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _gather_to_first_rank, _PeerFailed
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+
 
 class FSDPOptimizerStateMixin(DDPStrategy):
     """Methods of ``DDPFullyShardedStrategy`` that save and load the consolidated optimizer state."""
-
-    def _outermost_fsdp_modules(self) -> List["FullyShardedDataParallel"]:
-        """The FSDP instances of the LightningModule that are not nested inside another FSDP instance."""
-        instances = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
-        nested = {id(m) for instance in instances for m in instance.modules() if m is not instance}
-        return [m for m in instances if id(m) not in nested]
 
     def _optimizer_state_layout(self) -> str:
         """How :meth:`optimizer_state` saves the optimizer state of the LightningModule.
@@ -42,18 +41,7 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         - ``"per_rank"``: FairScale's format needs ``flatten_parameters=True``. Without it, every rank's local state
           is saved as it is, so the checkpoint resumes exactly but only on the same number of processes.
         """
-        instances = [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if not instances:
-            return "replicated"
-        if any(not m.flatten_parameters for m in instances):
-            return "per_rank"
-        return "consolidated"
-
-    def _optimizer_root_param_ids(self, optimizer: Optimizer) -> List[List[Optional[int]]]:
-        """For each outermost FSDP instance, the optimizer's index (as in ``optimizer.state_dict()``) of each of its
-        flat parameters, in FairScale's order, or ``None`` for a flat parameter the optimizer does not hold."""
-        index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
-        return [[index.get(id(p)) for p in root.parameters()] for root in self._outermost_fsdp_modules()]
+        return _optimizer_state_layout(_fsdp_instances(self.lightning_module))
 
     def _check_optimizer_state_layout(self) -> None:
         if self.optimizers and self._optimizer_state_layout() == "per_rank":
@@ -82,7 +70,14 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         Args:
             optimizer: the optimizer whose state is saved.
         """
-        if getattr(self, "_defer_checkpoint_errors", False) and getattr(self, "_checkpoint_abandoned", False):
+        stream = self._checkpoint_state.active_stream()
+        if stream is not None:
+            # gathered later, while the checkpoint is written: placeholders stand for the FSDP parameters' state
+            if self.global_rank != 0:
+                return _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
+            return _streamed_optimizer_state(optimizer, stream, _outermost_fsdp_instances(self.lightning_module))
+        session = self._checkpoint_state.gathering_session()
+        if session is not None and session.abandoned:
             # this save already failed on every rank (a rank lacks the host memory for it, or a gather failed on one,
             # see ``lightning_module_state_dict``), so none of them consolidates anything either
             return {}
@@ -90,44 +85,41 @@ class FSDPOptimizerStateMixin(DDPStrategy):
         state = optimizer.state_dict()
         if layout == "replicated":
             return {} if self.state_dict_on_rank_0_only and self.global_rank != 0 else state
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
         if layout == "per_rank":
             local_states = self._gather_local_optimizer_states(state, guard)
-            if self._abandon_checkpoint_if_failed(guard):
+            if self._checkpoint_state.abandon_if_failed(guard):
                 return {}
-            return local_states or self._optimizer_state_off_rank_zero(optimizer)
+            return local_states or _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
+        return self._consolidated_optimizer_state(optimizer, state, guard)
+
+    def _consolidated_optimizer_state(
+        self, optimizer: Optimizer, state: Dict[str, Any], guard: _CollectiveGuard
+    ) -> Dict[str, Any]:
+        """The ``"consolidated"`` layout of :meth:`optimizer_state` on global rank 0 (``state`` is
+        ``optimizer.state_dict()``). Collective."""
         # FairScale converts tensor ``step`` entries to ints in place; a shallow copy of each per-parameter dict
         # keeps the live optimizer state untouched (Adam needs its ``step`` to stay a tensor).
         state["state"] = {key: dict(value) for key, value in state["state"].items()}
-        root_param_ids = self._optimizer_root_param_ids(optimizer)
+        roots = _outermost_fsdp_instances(self.lightning_module)
+        root_param_ids = _optimizer_root_param_ids(optimizer, roots)
         consolidated = [
             self._consolidate_optimizer_state(root, _root_optimizer_state(state, param_ids), guard)
-            for root, param_ids in zip(self._outermost_fsdp_modules(), root_param_ids)
+            for root, param_ids in zip(roots, root_param_ids)
         ]
-        if self._abandon_checkpoint_if_failed(guard):
+        if self._checkpoint_state.abandon_if_failed(guard):
             # every rank stopped at the same collective: raised by ``Trainer.save_checkpoint`` on every rank
             return {}
         if self.global_rank != 0:
-            return self._optimizer_state_off_rank_zero(optimizer)
-        sharded = {i for param_ids in root_param_ids for i in param_ids if i is not None}
-        return {
-            "state": {i: buffers for i, buffers in state["state"].items() if i not in sharded},
-            "param_groups": state["param_groups"],
-            "fsdp_roots": consolidated,
-            "fsdp_root_param_ids": root_param_ids,
-        }
-
-    def _optimizer_state_off_rank_zero(self, optimizer: Optimizer) -> Dict[str, Any]:
-        # Only global rank 0 writes the checkpoint. With ``state_dict_on_rank_0_only=False`` the other ranks keep
-        # their local state in the checkpoint dict, as in Lightning 1.6.5, for hooks that read or edit it.
-        return {} if self.state_dict_on_rank_0_only else optimizer.state_dict()
+            return _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
+        return _checkpointed_optimizer_state(state, consolidated, root_param_ids)
 
     def _consolidate_optimizer_state(
         self, root: "FullyShardedDataParallel", state: Dict[str, Any], guard: _CollectiveGuard
     ) -> Optional[Dict[str, Any]]:
         if guard.stopped:
             return None
-        instances = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
+        instances = _fsdp_instances(root)
         with _agreeing_fairscale_collectives(guard, root.process_group):
             try:
                 if root.world_size > 1 and any(m.no_broadcast_optim_state for m in instances):
@@ -138,16 +130,6 @@ class FSDPOptimizerStateMixin(DDPStrategy):
             except Exception as ex:
                 guard.record(ex)
                 return None
-
-    def _abandon_checkpoint_if_failed(self, guard: _CollectiveGuard) -> bool:
-        """Settle ``guard`` (collective); if its loop failed on any rank, record the error for
-        ``Trainer.save_checkpoint`` to raise on every rank (see ``_record_checkpoint_error``), let the rest of this
-        save gather nothing more, and return ``True``."""
-        if not guard.settle():
-            return False
-        self._checkpoint_abandoned = True
-        self._record_checkpoint_error(guard.error_to_raise())
-        return True
 
     def _gather_local_optimizer_states(self, state: Dict[str, Any], guard: _CollectiveGuard) -> Dict[str, Any]:
         """Every rank's local optimizer state, on the CPU of global rank 0, received one rank at a time.
@@ -174,16 +156,6 @@ class FSDPOptimizerStateMixin(DDPStrategy):
                 torch.distributed.recv_object_list(received, src=src, group=group)
                 states.append(received[0])
         return {"fsdp_per_rank": states} if self.global_rank == 0 else {}
-
-    @staticmethod
-    def _is_rank_zero_shard(optimizer_state: Mapping[str, Any]) -> bool:
-        """Whether an optimizer state was saved as a rank's local shard (by Lightning <= 1.6.5), not consolidated.
-
-        Consolidated states carry ``fsdp_roots`` (or, as written by earlier versions of this strategy, FairScale's
-        ``param_id_map`` and ``uncollected_local_ids``); the plain ``optimizer.state_dict()`` of a shard has none.
-        """
-        markers = {"param_id_map", "uncollected_local_ids", "fsdp_roots", "fsdp_per_rank"}
-        return "param_groups" in optimizer_state and not markers & set(optimizer_state)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -222,17 +194,8 @@ class FSDPOptimizerStateMixin(DDPStrategy):
                         " Wrap the model as it was wrapped when the checkpoint was saved."
                     )
                 optimizer.load_state_dict(opt_state)
-            elif self._is_rank_zero_shard(opt_state):
-                rank_zero_warn(
-                    "The checkpoint's optimizer state is a plain `optimizer.state_dict()`, not the consolidated state"
-                    " `DDPFullyShardedStrategy` saves now: Lightning <= 1.6.5 saved global rank 0's shard of the FSDP"
-                    " parameters there, so loading it would give every rank rank 0's state. The per-parameter state of"
-                    f" `{type(optimizer).__name__}` (e.g. momentum or"
-                    " running averages) is therefore not restored and starts fresh; its hyperparameters (e.g. the"
-                    " learning rate) are restored, and the model weights are loaded as usual."
-                )
-                for group, saved_group in zip(optimizer.param_groups, opt_state["param_groups"]):
-                    group.update({key: value for key, value in saved_group.items() if key != "params"})
+            elif _is_rank_zero_shard(opt_state):
+                _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
             elif layout == "per_rank":
                 raise MisconfigurationException(
                     "The checkpoint holds a consolidated optimizer state, which FairScale can only re-shard with"
@@ -244,8 +207,8 @@ class FSDPOptimizerStateMixin(DDPStrategy):
 
     def _reshard_optimizer_state(self, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> Dict[str, Any]:
         """This rank's local ``optimizer.state_dict()`` from a consolidated state (see :meth:`optimizer_state`)."""
-        roots = self._outermost_fsdp_modules()
-        root_param_ids = self._optimizer_root_param_ids(optimizer)
+        roots = _outermost_fsdp_instances(self.lightning_module)
+        root_param_ids = _optimizer_root_param_ids(optimizer, roots)
         if "fsdp_root_param_ids" in opt_state:
             saved_roots = opt_state["fsdp_roots"]
             saved_ids = opt_state["fsdp_root_param_ids"]
@@ -271,6 +234,106 @@ class FSDPOptimizerStateMixin(DDPStrategy):
             for local_id, buffers in _shard_optimizer_state(root, saved)["state"].items():
                 state[param_ids[local_id]] = buffers
         return {"state": state, "param_groups": param_groups}
+
+
+def _optimizer_root_param_ids(
+    optimizer: Optimizer, roots: List["FullyShardedDataParallel"]
+) -> List[List[Optional[int]]]:
+    """For each outermost FSDP instance of ``roots``, the optimizer's index (as in ``optimizer.state_dict()``) of each
+    of its flat parameters, in FairScale's order, or ``None`` for a flat parameter the optimizer does not hold."""
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    return [[index.get(id(p)) for p in root.parameters()] for root in roots]
+
+
+def _optimizer_state_off_rank_zero(optimizer: Optimizer, state_dict_on_rank_0_only: bool) -> Dict[str, Any]:
+    # Only global rank 0 writes the checkpoint. With ``state_dict_on_rank_0_only=False`` the other ranks keep their
+    # local state in the checkpoint dict, as in Lightning 1.6.5, for hooks that read or edit it.
+    return {} if state_dict_on_rank_0_only else optimizer.state_dict()
+
+
+def _streamed_optimizer_state(
+    optimizer: Optimizer, stream: "_CheckpointStream", roots: List["FullyShardedDataParallel"]
+) -> Dict[str, Any]:
+    """What ``optimizer_state`` returns on global rank 0, with placeholders in ``stream`` instead of the FSDP
+    parameters' optimizer state, which is gathered when the checkpoint is written."""
+    state = optimizer.state_dict()
+    root_param_ids = _optimizer_root_param_ids(optimizer, roots)
+    index = len(stream.optimizer_states)
+    consolidated = [
+        _streamed_root_optimizer_state(root, _root_optimizer_state(state, ids), stream, (index, j))
+        for j, (root, ids) in enumerate(zip(roots, root_param_ids))
+    ]
+    optimizer_state = _checkpointed_optimizer_state(state, consolidated, root_param_ids)
+    stream.optimizer_states.append(optimizer_state)
+    return optimizer_state
+
+
+def _streamed_root_optimizer_state(
+    root: "FullyShardedDataParallel", state: Dict[str, Any], stream: "_CheckpointStream", key: Tuple[int, int]
+) -> Dict[str, Any]:
+    """What :func:`_gather_full_optimizer_state` returns on global rank 0, built from rank 0's local ``state``
+    alone: each FSDP instance's state tensors are placeholders in ``stream``, a flat one per tensor with a view per
+    original parameter, as FairScale lays them out."""
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    def placeholder_entries(
+        local_id: int, instance: "FullyShardedDataParallel", buffers: Dict[str, Any]
+    ) -> List[Dict[str, Any]]:
+        flat_param = instance.params[0]
+        entries: List[Dict[str, Any]] = [{} for _ in range(instance.num_params_managed)]
+        for name, value in buffers.items():
+            if torch.is_tensor(value) and not is_singleton_tensor(value):
+                with stream.mode:
+                    flat = torch.empty(sum(flat_param._param_numels), dtype=value.dtype)
+                    pieces = flat.split(flat_param._param_numels)
+                    values = [piece.view(shape) for piece, shape in zip(pieces, flat_param._param_shapes)]
+                stream.optimizer_placeholders[(*key, local_id, name)] = flat
+            else:
+                # ``step``: an int, as FairScale stores it (``_reason_checkpoint_cannot_stream`` rules out others)
+                values = [value.item() if torch.is_tensor(value) else value] * len(entries)
+            for entry, value in zip(entries, values):
+                entry[name] = value
+        return entries
+
+    return _fairscale_optimizer_state(root, state, placeholder_entries)
+
+
+def _checkpointed_optimizer_state(
+    state: Dict[str, Any], consolidated: List[Any], root_param_ids: List[List[Optional[int]]]
+) -> Dict[str, Any]:
+    """What the checkpoint holds of an optimizer (see :meth:`FSDPOptimizerStateMixin.optimizer_state`): the state of
+    the replicated parameters from ``state`` (``optimizer.state_dict()``), the param groups, and the ``consolidated``
+    state of each outermost FSDP instance with its flat parameters' indices into the optimizer."""
+    sharded = {i for param_ids in root_param_ids for i in param_ids if i is not None}
+    return {
+        "state": {i: buffers for i, buffers in state["state"].items() if i not in sharded},
+        "param_groups": state["param_groups"],
+        "fsdp_roots": consolidated,
+        "fsdp_root_param_ids": root_param_ids,
+    }
+
+
+def _load_hyperparameters_of_rank_zero_shard(optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
+    """Load the param groups' hyperparameters of an optimizer state saved by Lightning <= 1.6.5 (global rank 0's
+    shard), and warn that its per-parameter state cannot be restored."""
+    rank_zero_warn(
+        "The checkpoint's optimizer state is a plain `optimizer.state_dict()`, not the consolidated state"
+        " `DDPFullyShardedStrategy` saves now: Lightning <= 1.6.5 saved global rank 0's shard of the FSDP"
+        " parameters there, so loading it would give every rank rank 0's state. The per-parameter state of"
+        f" `{type(optimizer).__name__}` (e.g. momentum or"
+        " running averages) is therefore not restored and starts fresh; its hyperparameters (e.g. the"
+        " learning rate) are restored, and the model weights are loaded as usual."
+    )
+    for group, saved_group in zip(optimizer.param_groups, opt_state["param_groups"]):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+
+
+def _optimizer_state_layout(instances: List["FullyShardedDataParallel"]) -> str:
+    """How the optimizer state of a LightningModule with the FSDP instances ``instances`` is saved (see
+    :meth:`FSDPOptimizerStateMixin._optimizer_state_layout`)."""
+    if not instances:
+        return "replicated"
+    return "consolidated" if all(m.flatten_parameters for m in instances) else "per_rank"
 
 
 def _root_optimizer_state(state: Dict[str, Any], param_ids: List[Optional[int]]) -> Dict[str, Any]:
@@ -305,54 +368,85 @@ def _gather_full_optimizer_state(
     for buffers in state["state"].values():
         if "step" in buffers and is_singleton_tensor(buffers["step"]):
             buffers["step"] = buffers["step"].item()  # as FairScale stores it
-    instances = get_fsdp_instances(root, skip_empty=True)
     if root.world_size > 1:
         pad_info = root._broadcast_pad_info_to_r0()
     else:
-        pad_info = [[list(m.numel_padded_per_param) for m in instances]]
+        pad_info = [[list(m.numel_padded_per_param) for m in get_fsdp_instances(root, skip_empty=True)]]
+
+    def gathered_entries(
+        local_id: int, instance: "FullyShardedDataParallel", buffers: Dict[str, Any]
+    ) -> Optional[List[Dict[str, Any]]]:
+        if guard.stopped:
+            return None
+        with guard.catch():
+            buffers = _optimizer_state_to_gather_device(buffers, root.compute_device)
+        gathered = _gather_optim_state_to_rank_zero(root, instance, local_id, buffers, guard)
+        if gathered is None or root.rank != 0:
+            return None
+        with guard.catch():
+            pads = [rank_pads[local_id][0] for rank_pads in pad_info]
+            return _unflattened_entries(instance, gathered[0][local_id], gathered[1][local_id], pads)
+        return None
+
+    consolidated = _fairscale_optimizer_state(root, state, gathered_entries)
+    return None if guard.stopped or root.rank != 0 else consolidated
+
+
+def _fairscale_optimizer_state(
+    root: "FullyShardedDataParallel",
+    state: Dict[str, Any],
+    unit_entries: Callable[[int, "FullyShardedDataParallel", Dict[str, Any]], Optional[List[Dict[str, Any]]]],
+) -> Dict[str, Any]:
+    """The optimizer state of the outermost FSDP instance ``root`` in the format of FairScale's
+    ``gather_full_optim_state_dict``: one entry per original parameter (``state``, by global id), ``param_id_map``
+    from global ids to the local ids of the flat parameters, and the param groups over the global ids.
+
+    Args:
+        root: the outermost FSDP instance.
+        state: its part of the optimizer's state dict, by local id (see :func:`_root_optimizer_state`).
+        unit_entries: for the FSDP instance of a local id with optimizer state (its ``buffers``), the entries of its
+            original parameters, or ``None`` to leave them out.
+    """
+    from fairscale.nn.data_parallel import get_fsdp_instances
+
     unflat_state: Dict[int, Dict[str, Any]] = {}
     param_id_map: Dict[int, Optional[int]] = {}
     next_global_id = 0
-    for local_id, instance in enumerate(instances):
+    for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
         global_ids = list(range(next_global_id, next_global_id + instance.num_params_managed))
         next_global_id += len(global_ids)
         buffers = state["state"].get(local_id)
         param_id_map.update({global_id: None if buffers is None else local_id for global_id in global_ids})
         if buffers is None:
             continue  # a parameter without optimizer state (unused), on every rank alike
-        if guard.stopped:
-            break
-        with guard.catch():
-            buffers = _optimizer_state_to_gather_device(buffers, root.compute_device)
-        gathered = _gather_optim_state_to_rank_zero(root, instance, local_id, buffers, guard)
-        if gathered is None or root.rank != 0:
-            continue
-        tensors, singletons = gathered
-        with guard.catch():
-            entries: List[Dict[str, Any]] = [{} for _ in global_ids]
-            for name, values in tensors[local_id].items():
-                if not torch.is_tensor(values[0]):
-                    for entry in entries:
-                        entry[name] = values[0]
-                    continue
-                pads = [rank_pads[local_id][0] for rank_pads in pad_info]
-                flat = torch.cat([t[:-pad] if pad > 0 else t for t, pad in zip(values, pads)])
-                for entry, view in zip(entries, instance.get_param_views([flat])):
-                    entry[name] = view
-            for entry in entries:
-                entry.update(singletons[local_id])
+        entries = unit_entries(local_id, instance, buffers)
+        if entries is not None:
             unflat_state.update(zip(global_ids, entries))
-    if guard.stopped:
-        unflat_state.clear()
-        return None
-    if root.rank != 0:
-        return None
     consolidated = {key: value for key, value in state.items() if key not in ("state", "param_groups")}
     consolidated["state"] = unflat_state
     consolidated["param_groups"] = [dict(group, params=list(range(next_global_id))) for group in state["param_groups"]]
     consolidated["param_id_map"] = param_id_map
     consolidated["uncollected_local_ids"] = []
     return consolidated
+
+
+def _unflattened_entries(
+    instance: "FullyShardedDataParallel", tensors: Dict[str, List[Any]], singletons: Dict[str, Any], pads: List[int]
+) -> List[Dict[str, Any]]:
+    """The entries of the original parameters of the FSDP instance ``instance`` from every rank's shard of its state
+    tensors (``tensors``, padded by ``pads``), concatenated once, as views of the result; ``singletons`` as they are."""
+    entries: List[Dict[str, Any]] = [{} for _ in range(instance.num_params_managed)]
+    for name, values in tensors.items():
+        if not torch.is_tensor(values[0]):
+            for entry in entries:
+                entry[name] = values[0]
+            continue
+        flat = torch.cat([t[:-pad] if pad > 0 else t for t, pad in zip(values, pads)])
+        for entry, view in zip(entries, instance.get_param_views([flat])):
+            entry[name] = view
+    for entry in entries:
+        entry.update(singletons)
+    return entries
 
 
 def _optimizer_state_to_gather_device(buffers: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
@@ -393,45 +487,17 @@ def _gather_optim_state_to_rank_zero(
         if not torch.is_tensor(value):
             tensors[name] = [value]
             continue
-        received = None
-        if not guard.stopped:
-            with guard.catch():
-                received = _gather_buffers(value, root.world_size, root.process_group)
-        if not guard.agree():
-            return None
-        gathered = _gather_into(value, received, root.process_group)
+        gathered = _gather_to_first_rank(value, guard, root.process_group, root.world_size)
         if gathered is None:
-            continue
+            return None
+        if not gathered:
+            continue  # not the first rank
         with guard.catch():
             if is_singleton_tensor(value):
                 singletons[name] = [x.cpu().squeeze() for x in gathered]
             else:
                 tensors[name] = [x.cpu() for x in gathered]
     return {local_id: tensors}, {local_id: singletons}
-
-
-def _group_root(group: Any) -> int:
-    """The global rank of the first rank of ``group`` (the default group where ``None``)."""
-    get_global_rank = getattr(torch.distributed, "get_global_rank", None)  # public since torch 2.0
-    if get_global_rank is None:
-        get_global_rank = torch.distributed.distributed_c10d._get_global_rank
-    return get_global_rank(group, 0) if group is not None else 0
-
-
-def _gather_buffers(tensor: torch.Tensor, world_size: int, group: Any) -> Optional[List[torch.Tensor]]:
-    """On the first rank of ``group``, the buffers that :func:`_gather_into` receives every rank's ``tensor`` into;
-    ``None`` on the others. Allocated before the gather's agreement, so that running out of memory here stops every
-    rank before the gather rather than in it."""
-    if torch.distributed.get_rank() != _group_root(group):
-        return None
-    return [torch.empty_like(tensor) for _ in range(world_size)]
-
-
-def _gather_into(tensor: torch.Tensor, received: Optional[List[torch.Tensor]], group: Any) -> Optional[List[torch.Tensor]]:
-    """Every rank's ``tensor`` (all of one shape) in ``received`` on the first rank of ``group`` (see
-    :func:`_gather_buffers`), ``None`` on the others. Collective."""
-    torch.distributed.gather(tensor, received, dst=_group_root(group), group=group)
-    return received
 
 
 def _local_optim_state(local_id: int, buffers: Dict[str, Any]) -> Tuple[Dict[int, Any], Dict[int, Any]]:
@@ -457,7 +523,6 @@ def _shard_optimizer_state(root: "FullyShardedDataParallel", full_state: Dict[st
     pieces of the (possibly memory-mapped) unflattened tensors that fall into its slice.
     """
     from fairscale.nn.data_parallel import get_fsdp_instances
-    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
 
     # FairScale's own check counts the distinct flat parameters with state, so it refuses checkpoints in which
     # several FSDP instances have none (frozen or unused); count the parameters and instances instead.
@@ -479,32 +544,34 @@ def _shard_optimizer_state(root: "FullyShardedDataParallel", full_state: Dict[st
     state: Dict[int, Dict[str, Any]] = {}
     for local_id, global_ids in sorted(by_local_id.items()):
         buffers = [full_state["state"][g] for g in sorted(global_ids) if g in full_state["state"]]
-        if not buffers:
-            continue
-        state[local_id] = {}
-        for name in buffers[0]:
-            values = [b[name] for b in buffers]
-            if is_singleton_tensor(values[-1]):
-                state[local_id][name] = values[-1]
-            elif isinstance(values[-1], list) and values[-1] and is_singleton_tensor(values[-1][0]):
-                # one entry per rank that saved it; a larger world size takes the first one
-                per_rank = values[-1]
-                state[local_id][name] = per_rank[0] if root.rank >= len(per_rank) else per_rank[root.rank]
-            elif torch.is_tensor(values[-1]):
-                flat = [v.reshape(-1) for v in values]
-                if local_id in not_sharded:
-                    state[local_id][name] = torch.cat(flat)
-                else:
-                    state[local_id][name] = _flat_slice(flat, root.rank, root.world_size)
-            else:
-                # a non-tensor entry (e.g. an int ``step``) is the same for all parameters of one flat parameter
-                state[local_id][name] = values[-1]
+        if buffers:
+            state[local_id] = {
+                name: _shard_of_entry([b[name] for b in buffers], root, local_id in not_sharded) for name in buffers[0]
+            }
 
     sharded = {key: value for key, value in full_state.items() if key not in ("param_id_map", "uncollected_local_ids")}
     sharded["state"] = state
     params = list(range(len(by_local_id)))
     sharded["param_groups"] = [dict(group, params=params) for group in full_state["param_groups"]]
     return sharded
+
+
+def _shard_of_entry(values: List[Any], root: "FullyShardedDataParallel", not_sharded: bool) -> Any:
+    """This rank's part of one entry (e.g. ``exp_avg``) of a flat parameter's optimizer state, from its ``values`` for
+    each of the flat parameter's original parameters."""
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    if is_singleton_tensor(values[-1]):
+        return values[-1]
+    if isinstance(values[-1], list) and values[-1] and is_singleton_tensor(values[-1][0]):
+        # one entry per rank that saved it; a larger world size takes the first one
+        per_rank = values[-1]
+        return per_rank[0] if root.rank >= len(per_rank) else per_rank[root.rank]
+    if torch.is_tensor(values[-1]):
+        flat = [v.reshape(-1) for v in values]
+        return torch.cat(flat) if not_sharded else _flat_slice(flat, root.rank, root.world_size)
+    # a non-tensor entry (e.g. an int ``step``) is the same for all parameters of one flat parameter
+    return values[-1]
 
 
 def _flat_slice(tensors: List[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
@@ -531,3 +598,13 @@ class _StateDictProvider:
 
     def state_dict(self) -> Dict[str, Any]:
         return self._state
+
+
+def _is_rank_zero_shard(optimizer_state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state was saved as a rank's local shard (by Lightning <= 1.6.5), not consolidated.
+
+    Consolidated states carry ``fsdp_roots`` (or, as written by earlier versions of this strategy, FairScale's
+    ``param_id_map`` and ``uncollected_local_ids``); the plain ``optimizer.state_dict()`` of a shard has none.
+    """
+    markers = {"param_id_map", "uncollected_local_ids", "fsdp_roots", "fsdp_per_rank"}
+    return "param_groups" in optimizer_state and not markers & set(optimizer_state)

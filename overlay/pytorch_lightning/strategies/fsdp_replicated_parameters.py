@@ -15,6 +15,8 @@ from typing_extensions import override
 import pytorch_lightning as pl
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
+from pytorch_lightning.utilities.checkpoint_errors import _distributed_run
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
@@ -48,14 +50,12 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
             # as ``model_to_device`` does without ``cpu_offload``: ``LightningModule.device`` is where it computes
             self.lightning_module._device = self.root_device
         self._warn_about_split_parameters()
-        managed = {
-            id(p) for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel) for p in m.params
-        }
+        managed = {id(p) for m in _fsdp_instances(self.lightning_module) for p in m.params}
         named = [(n, p) for n, p in self.lightning_module.named_parameters() if id(p) not in managed]
         self._replicated_parameters = [p for _, p in named]
         if not named:
             return
-        if self._is_distributed_run():
+        if _distributed_run(self.world_size):
             with torch.no_grad():
                 for param in self._replicated_parameters:
                     # collectives run on the root device, where these parameters are (with ``cpu_offload`` too)
@@ -76,13 +76,13 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
     def _warn_about_split_parameters(self) -> None:
         # FairScale's FSDP keeps a parameter shared only between modules inside one FSDP instance: flattening takes
         # it out of the modules of the instance, and a module outside it keeps the original, now a parameter apart
-        groups, self._parameters_shared_before_wrapping = getattr(self, "_parameters_shared_before_wrapping", []), []
+        groups, self._parameters_shared_before_wrapping = self._parameters_shared_before_wrapping, []
         if not groups:
             return
         module = self.lightning_module
         present = {id(m) for m in module.modules()}
         flat_owner: Dict[Tuple[int, str], int] = {}
-        for instance in (m for m in module.modules() if isinstance(m, FullyShardedDataParallel)):
+        for instance in _fsdp_instances(module):
             for flat in instance.params:
                 for _, submodule, name in getattr(flat, "_param_infos", []):
                     flat_owner[(id(submodule), name)] = id(flat)
@@ -110,9 +110,6 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
                 " instance, e.g. the whole model with `self.model = wrap(self.model)`."
             )
 
-    def _is_distributed_run(self) -> bool:
-        return self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-
     def sync_replicated_gradients(self, optimizer: Optimizer) -> None:
         """Average the gradients of the replicated parameters of ``optimizer`` over the ranks.
 
@@ -127,7 +124,7 @@ class FSDPReplicatedParametersMixin(DDPStrategy):
         Args:
             optimizer: the optimizer whose replicated parameters are synchronised.
         """
-        if not self._replicated_parameters or not self._is_distributed_run():
+        if not self._replicated_parameters or not _distributed_run(self.world_size):
             return
         replicated = {id(p) for p in self._replicated_parameters}
         params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in replicated]
@@ -203,7 +200,7 @@ def _to_device_outside_fsdp(module: Module, device: torch.device) -> None:
     (so that e.g. metrics move their states), a module that holds FSDP instances its own parameters and buffers."""
     if isinstance(module, FullyShardedDataParallel):
         return
-    if not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+    if not _fsdp_instances(module):
         module.to(device)
         return
     for param in module._parameters.values():

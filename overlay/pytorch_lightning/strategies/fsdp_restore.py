@@ -5,14 +5,20 @@ The hooks are ``DDPFullyShardedStrategy``'s base class, ``setup`` (which records
 ``Trainer._run`` (which restores before ``on_fit_start``).
 """
 # fork-feature: fork/fsdp-restore-after-sharding.patch
-from typing import Any, Iterator, List, Mapping, Set, Tuple
+from typing import Any, List, Mapping, Set
 
-import torch
 from typing_extensions import override
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
+from pytorch_lightning.strategies.fsdp_introspection import (
+    _clean_fsdp_key,
+    _fsdp_instances,
+    _named_fsdp_instances,
+    _own_parameters,
+)
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
@@ -25,7 +31,7 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
     """Methods of ``DDPFullyShardedStrategy`` that restore a checkpoint into the sharded model."""
 
     def _fsdp_modules(self) -> List["FullyShardedDataParallel"]:
-        return [m for m in self.lightning_module.modules() if isinstance(m, FullyShardedDataParallel)]
+        return _fsdp_instances(self.lightning_module)
 
     def _reshard_lightning_module(self) -> None:
         rank_zero_info(
@@ -79,7 +85,7 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
         if any(id(m) not in current for m in self._sharded_modules):
             self._reshard_lightning_module()
         module = self.lightning_module
-        instances = [(name, m) for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+        instances = _named_fsdp_instances(module)
         if not instances:
             return super().load_model_state_dict(checkpoint)
         state_dict = checkpoint["state_dict"]
@@ -87,10 +93,10 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
         # ``summon_full_params`` is a collective: the ranks agree before each of its gathers that all of them can take
         # part, so a failure on one rank (copying a unit, or allocating its full parameters inside FairScale) stops
         # every rank before the next gather; the failing rank raises its error, the others ``_PeerFailed``
-        guard = self._new_collective_guard()
+        guard = _new_checkpoint_guard(self)
 
         def load(prefix: str, instance: "FullyShardedDataParallel") -> None:
-            missing.extend(self._load_unit(prefix, instance, state_dict, loaded))
+            missing.extend(_load_unit(prefix, instance, state_dict, loaded))
 
         _gather_units_one_at_a_time(instances, guard, self._process_group, load)
         guard.settle()
@@ -106,42 +112,22 @@ class FSDPRestoreAfterShardingMixin(DDPStrategy):
                 f" unexpected keys {result.unexpected_keys}."
             )
 
-    @staticmethod
-    def _load_unit(
-        prefix: str, instance: "FullyShardedDataParallel", state_dict: Mapping[str, Any], loaded: Set[str]
-    ) -> List[str]:
-        """Copy the values of the gathered parameters of the FSDP instance ``instance`` (not those of the instances
-        inside it) from ``state_dict``, adding their keys to ``loaded``; returns the keys it lacks."""
-        missing = []
-        for key, param in _own_parameters(prefix, instance):
-            if key not in state_dict:
-                missing.append(key)
-                continue
-            if param.shape != state_dict[key].shape:
-                raise RuntimeError(
-                    f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)} from"
-                    f" checkpoint, the shape in current model is {tuple(param.shape)}."
-                )
-            param.copy_(state_dict[key])
-            loaded.add(key)
-        return missing
 
-def _own_parameters(prefix: str, instance: "FullyShardedDataParallel") -> Iterator[Tuple[str, torch.nn.Parameter]]:
-    """The parameters of the summoned FSDP instance ``instance`` (under ``prefix`` in the LightningModule) that it
-    gathers itself, not those of the FSDP instances inside it, with their state-dict keys. A parameter shared between
-    modules of the instance (tied embeddings) is registered under each of its names while summoned, and the state
-    dict has it under each: it comes once per name."""
-    nested = {
-        id(p)
-        for child in instance.modules()
-        if child is not instance and isinstance(child, FullyShardedDataParallel)
-        for p in child.parameters()
-    }
-    for name, param in instance.named_parameters(remove_duplicate=False):
-        if id(param) not in nested:
-            yield _clean_fsdp_key(f"{prefix}.{name}" if prefix else name), param
-
-
-def _clean_fsdp_key(name: str) -> str:
-    # FSDP and its FlattenParamsWrapper insert these levels into parameter names; state dict keys omit them
-    return ".".join(part for part in name.split(".") if part not in ("_fsdp_wrapped_module", "_fpw_module"))
+def _load_unit(
+    prefix: str, instance: "FullyShardedDataParallel", state_dict: Mapping[str, Any], loaded: Set[str]
+) -> List[str]:
+    """Copy the values of the gathered parameters of the FSDP instance ``instance`` (not those of the instances
+    inside it) from ``state_dict``, adding their keys to ``loaded``; returns the keys it lacks."""
+    missing = []
+    for key, param in _own_parameters(prefix, instance):
+        if key not in state_dict:
+            missing.append(key)
+            continue
+        if param.shape != state_dict[key].shape:
+            raise RuntimeError(
+                f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)} from"
+                f" checkpoint, the shape in current model is {tuple(param.shape)}."
+            )
+        param.copy_(state_dict[key])
+        loaded.add(key)
+    return missing

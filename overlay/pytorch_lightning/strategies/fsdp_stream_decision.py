@@ -4,27 +4,32 @@ state hold placeholders (``FakeTensor``) for the FSDP parameters and their optim
 gathered save writes.
 
 The hooks are ``DDPFullyShardedStrategy``'s ``stream_checkpoint`` argument and ``lightning_module_state_dict``,
-and ``CheckpointConnector.save_checkpoint``, which calls :meth:`FSDPStreamDecisionMixin._prepare_checkpoint_stream`.
+and ``CheckpointConnector.save_checkpoint``, which calls :meth:`FSDPStreamDecisionMixin._begin_checkpoint_save`.
 :mod:`pytorch_lightning.strategies.fsdp_streaming_save` writes the file.
 """
 # fork-feature: fork/fsdp-streaming-save.patch
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.nn import Module
 from torch.optim import Optimizer
-from typing_extensions import override
 
 import pytorch_lightning as pl
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
 from pytorch_lightning.plugins.precision import PrecisionPlugin
 from pytorch_lightning.strategies.ddp import DDPStrategy
-from pytorch_lightning.strategies.fsdp_optimizer_state import _root_optimizer_state
-from pytorch_lightning.strategies.fsdp_restore import _clean_fsdp_key
-from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure
+from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
+from pytorch_lightning.strategies.fsdp_optimizer_state import _optimizer_state_layout
+from pytorch_lightning.strategies.fsdp_introspection import (
+    _clean_fsdp_key,
+    _flat_parameter_pieces,
+    _fsdp_instances,
+    _named_fsdp_instances,
+)
+from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _distributed_run
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
@@ -38,39 +43,34 @@ if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
 class FSDPStreamDecisionMixin(DDPStrategy):
     """Methods of ``DDPFullyShardedStrategy`` that decide whether a save streams and build its placeholders."""
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """Returns the full state of ``optimizer`` on global rank 0, and an empty dict elsewhere, as
-        :meth:`~pytorch_lightning.strategies.fsdp_optimizer_state.FSDPOptimizerStateMixin.optimizer_state` describes;
-        while ``Trainer.save_checkpoint`` prepares a streamed save, placeholders stand for the FSDP parameters' state.
-        This is a collective call: all ranks must call it.
-
-        Args:
-            optimizer: the optimizer whose state is saved.
-        """
-        stream = self._active_checkpoint_stream()
-        if stream is not None:
-            # gathered later, while the checkpoint is written
-            return self._streamed_optimizer_state(optimizer, stream)
-        return super().optimizer_state(optimizer)
-
-    def _prepare_checkpoint_stream(
+    def _begin_checkpoint_save(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
-    ) -> None:
-        """Called by ``Trainer.save_checkpoint`` on every rank before the checkpoint is put together: decides
-        whether this save is streamed (see ``stream_checkpoint``) and logs the decision when it changes."""
+    ) -> _SaveSession:
+        """Called by ``Trainer.save_checkpoint`` on every rank before the checkpoint is put together: the session of
+        this save, which says whether it is streamed (see ``stream_checkpoint``); the decision is logged when it
+        changes. Collective."""
+        reason = self._decide_checkpoint_stream(filepath, storage_options)
+        session = _SaveSession(filepath, weights_only, stream=None if reason else _CheckpointStream(weights_only))
+        self._checkpoint_state.session = session
+        if reason is None or self.stream_checkpoint:
+            self._log_checkpoint_stream_decision(reason)
+        return session
+
+    def _decide_checkpoint_stream(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
+        """Global rank 0's reason why this save cannot be streamed, or ``None`` if it can, on every rank."""
         try:
-            reason = self._checkpoint_stream_unavailable(filepath, storage_options)
+            reason = self._reason_checkpoint_cannot_stream(filepath, storage_options)
         except Exception as ex:
             reason = f"deciding it failed ({type(ex).__name__}: {ex})"
-        if self._is_distributed_run():
+        if _distributed_run(self.world_size):
             # rank 0's decision, so that every rank takes the same collectives (a callback may exist on one rank only)
             reason = _broadcast_failure(self, reason, src=0)
-        self._checkpoint_stream = None if reason else _CheckpointStream(weights_only)
-        if reason is not None and not self.stream_checkpoint:
-            return
-        if reason != getattr(self, "_last_checkpoint_stream_reason", False):
-            self._last_checkpoint_stream_reason = reason
+        return reason
+
+    def _log_checkpoint_stream_decision(self, reason: Optional[str]) -> None:
+        state = self._checkpoint_state
+        if reason != state.last_stream_reason:
+            state.last_stream_reason = reason
             if reason is None:
                 rank_zero_info(
                     "`DDPFullyShardedStrategy`: global rank 0 writes checkpoints while their FSDP units are"
@@ -82,78 +82,22 @@ class FSDPStreamDecisionMixin(DDPStrategy):
                     f" not streamed, because {reason}."
                 )
 
-    def _checkpoint_stream_unavailable(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
-        """Why this save cannot be streamed, or ``None`` if it can. The same on every rank."""
-        if not self.stream_checkpoint:
-            return "`stream_checkpoint=False`"
-        if not self.state_dict_on_rank_0_only:
-            return "`state_dict_on_rank_0_only=False`"
-        if not _streamed_save_available():
-            return f"torch {torch.__version__} cannot write a checkpoint's structure before its data (2.5 can)"
-        # also a ``save_checkpoint`` replaced on the instance: whatever it does must see the whole checkpoint
-        save = getattr(self.checkpoint_io, "save_checkpoint", None)
-        if storage_options is not None or getattr(save, "__func__", None) is not TorchCheckpointIO.save_checkpoint:
-            return f"the checkpoint is saved by a custom `{type(self.checkpoint_io).__name__}.save_checkpoint`"
-        if not isinstance(get_filesystem(filepath), LocalFileSystem):
-            return f"{str(filepath)!r} is not a local path"
-        instances = self._fsdp_modules()
-        if not instances:
-            return "the LightningModule has no FSDP instances"
-        if any(not m.flatten_parameters for m in instances):
-            return "FSDP instances have `flatten_parameters=False`"
-        if any(m.state_dict_device.type != "cpu" for m in instances):
-            return "`state_dict_to_cpu=False`"
-        if any(m.no_broadcast_optim_state for m in instances):
-            return "FSDP instances have `no_broadcast_optim_state=True`"
-        if any(m.process_group is not self.process_group for m in instances):
-            return "FSDP instances have process groups of their own"
-        flat_params = {id(p): p for m in instances for p in m.params}
-        for optimizer in self.optimizers:
-            for param, buffers in optimizer.state.items():
-                for name, value in buffers.items():
-                    if not torch.is_tensor(value) or id(param) not in flat_params:
-                        continue
-                    if value.dim() == 0 and name != "step":
-                        return "the optimizer state has dimensionless tensors other than `step`"
-                    if value.dim() and value.numel() != param.numel():
-                        return f"the optimizer state {name!r} is not shaped like the FSDP parameter shards"
-        # imported here: fully_sharded.py imports this module for the base class
-        from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
-
-        for name in ("lightning_module_state_dict", "optimizer_state"):
-            if getattr(type(self), name) is not getattr(DDPFullyShardedStrategy, name):
-                return f"`{type(self).__name__}.{name}` is overridden"
-        trainer, module = self.lightning_module.trainer, self.lightning_module
-        hooks = [
-            f"`{type(module).__name__}.{name}`"
-            for name in ("on_save_checkpoint", "on_hpc_save")
-            if is_overridden(name, module)
+    def _reason_checkpoint_cannot_stream(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
+        """Why this save cannot be streamed, or ``None`` if it can: the reason of the first check that finds one."""
+        instances = _fsdp_instances(self.lightning_module)
+        checks: List[Callable[[], Optional[str]]] = [
+            lambda: _reason_in_configuration(self, filepath, storage_options),
+            lambda: _reason_in_fsdp_instances(instances, self.process_group),
+            lambda: _reason_in_optimizer_state(self.optimizers, instances),
+            lambda: _reason_in_overrides(self),
+            lambda: _reason_in_custom_state_dicts(self),
         ]
-        hooks += [
-            f"`{type(callback).__name__}.on_save_checkpoint`"
-            for callback in trainer.callbacks
-            if is_overridden("on_save_checkpoint", callback, pl.Callback)
-        ]
-        if trainer.datamodule is not None and is_overridden("on_save_checkpoint", trainer.datamodule):
-            hooks.append(f"`{type(trainer.datamodule).__name__}.on_save_checkpoint`")
-        if type(self.precision_plugin).on_save_checkpoint is not PrecisionPlugin.on_save_checkpoint:
-            hooks.append(f"`{type(self.precision_plugin).__name__}.on_save_checkpoint`")
-        if hooks:
-            # hooks see the whole checkpoint with its values, as before: a streamed save has none of them yet
-            return f"{', '.join(hooks)} may read or replace the state's tensors"
-        emulated = self._modules_with_or_in_fsdp()
-        custom = _custom_state_dict_methods(m for m in module.modules() if id(m) in emulated)
-        if custom:
-            # the streamed save lays out the FSDP part of the state dict as FairScale's and torch's own code does
-            return f"{', '.join(custom)} may change what the state dict holds"
-        return None
+        return next((reason for reason in (check() for check in checks) if reason is not None), None)
 
     def _active_checkpoint_stream(self) -> Optional["_CheckpointStream"]:
         # only while ``Trainer.save_checkpoint`` gathers the state: ``lightning_module_state_dict`` and
         # ``optimizer_state`` called any other way return the state itself
-        if not getattr(self, "_defer_checkpoint_errors", False):
-            return None
-        return getattr(self, "_checkpoint_stream", None)
+        return self._checkpoint_state.active_stream()
 
     def _streamed_model_state_dict(self, stream: "_CheckpointStream") -> Dict[str, Any]:
         """The LightningModule's state dict as FairScale's ``state_dict()`` builds it, with placeholders instead
@@ -163,21 +107,11 @@ class FSDPStreamDecisionMixin(DDPStrategy):
         if self.global_rank != 0:
             stream.model_state_dict = {}
             return stream.model_state_dict
-        # for each submodule, its parameters that a flat parameter holds: name, shape, dtype, and which flat
-        # parameter and which of its pieces (``_param_infos``' index; a shared parameter's is its source's)
-        owned: Dict[int, List[Tuple[str, torch.Size, torch.dtype, Tuple[int, int]]]] = {}
-        flat_ids = set()
-        for instance in self._fsdp_modules():
-            for flat in instance.params:
-                flat_ids.add(id(flat))
-                dtype = getattr(flat, "_fp32_shard", flat).dtype
-                pieces = {(m_name, n): i for i, (m_name, _, n) in enumerate(flat._param_infos)}
-                for i, ((_, submodule, name), shape) in enumerate(zip(flat._param_infos, flat._param_shapes)):
-                    owned.setdefault(id(submodule), []).append((name, shape, dtype, (id(flat), i)))
-                for _, shared_name, submodule, name, _, shared_param in flat._shared_param_infos:
-                    i = pieces[(shared_name, shared_param)]
-                    owned.setdefault(id(submodule), []).append((name, flat._param_shapes[i], dtype, (id(flat), i)))
-        emulated = self._modules_with_or_in_fsdp()
+        instances = _fsdp_instances(self.lightning_module)
+        # for each submodule, its parameters that a flat parameter holds
+        owned = _flat_parameter_pieces(instances)
+        flat_ids = {id(flat) for instance in instances for flat in instance.params}
+        emulated = _modules_with_or_in_fsdp(self)
         state_dict: Dict[str, Any] = OrderedDict()
         state_dict._metadata = OrderedDict()  # type: ignore[attr-defined]
 
@@ -216,40 +150,6 @@ class FSDPStreamDecisionMixin(DDPStrategy):
         stream.model_state_dict = state_dict
         return state_dict
 
-    def _modules_with_or_in_fsdp(self) -> Set[int]:
-        """The ids of the LightningModule's submodules that are, contain or are inside an FSDP instance: their part
-        of the state dict comes from FairScale's gather."""
-        named = list(self.lightning_module.named_modules())
-        fsdp_names = [name for name, m in named if isinstance(m, FullyShardedDataParallel)]
-        instances = [m for _, m in named if isinstance(m, FullyShardedDataParallel)]
-        modules = {id(m) for instance in instances for m in instance.modules()}
-        for name, module in named:
-            if any(not name or inner == name or inner.startswith(name + ".") for inner in fsdp_names):
-                modules.add(id(module))
-        return modules
-
-    def _streamed_optimizer_state(self, optimizer: Optimizer, stream: "_CheckpointStream") -> Dict[str, Any]:
-        """What :meth:`optimizer_state` returns, with placeholders instead of the FSDP parameters' optimizer
-        state, which is gathered when the checkpoint is written. On global rank 0; an empty dict elsewhere."""
-        if self.global_rank != 0:
-            return self._optimizer_state_off_rank_zero(optimizer)
-        state = optimizer.state_dict()
-        root_param_ids = self._optimizer_root_param_ids(optimizer)
-        index = len(stream.optimizer_states)
-        consolidated = [
-            _streamed_root_optimizer_state(root, _root_optimizer_state(state, ids), stream, (index, j))
-            for j, (root, ids) in enumerate(zip(self._outermost_fsdp_modules(), root_param_ids))
-        ]
-        sharded = {i for param_ids in root_param_ids for i in param_ids if i is not None}
-        optimizer_state = {
-            "state": {i: buffers for i, buffers in state["state"].items() if i not in sharded},
-            "param_groups": state["param_groups"],
-            "fsdp_roots": consolidated,
-            "fsdp_root_param_ids": root_param_ids,
-        }
-        stream.optimizer_states.append(optimizer_state)
-        return optimizer_state
-
 
 class _CheckpointStream:
     """The placeholders of one streamed save (see ``DDPFullyShardedStrategy(stream_checkpoint=True)``): tensors
@@ -272,47 +172,38 @@ class _CheckpointStream:
         return list(self.model.values()) + list(self.optimizer_placeholders.values())
 
 
-def _streamed_root_optimizer_state(
-    root: "FullyShardedDataParallel", state: Dict[str, Any], stream: _CheckpointStream, key: Tuple[int, int]
-) -> Dict[str, Any]:
-    """What :func:`_gather_full_optimizer_state` returns on global rank 0, built from rank 0's local ``state``
-    alone: each FSDP instance's state tensors are placeholders in ``stream``, a flat one per tensor with a view per
-    original parameter, as FairScale lays them out."""
-    from fairscale.nn.data_parallel import get_fsdp_instances
-    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+_UNFLATTENED = "FSDP instances have `flatten_parameters=False`"
 
-    unflat_state: Dict[int, Dict[str, Any]] = {}
-    param_id_map: Dict[int, Optional[int]] = {}
-    next_global_id = 0
-    for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
-        global_ids = list(range(next_global_id, next_global_id + instance.num_params_managed))
-        next_global_id += len(global_ids)
-        buffers = state["state"].get(local_id)
-        param_id_map.update({global_id: None if buffers is None else local_id for global_id in global_ids})
-        if buffers is None:
-            continue
-        flat_param = instance.params[0]
-        entries: List[Dict[str, Any]] = [{} for _ in global_ids]
-        for name, value in buffers.items():
-            if torch.is_tensor(value) and not is_singleton_tensor(value):
-                with stream.mode:
-                    flat = torch.empty(sum(flat_param._param_numels), dtype=value.dtype)
-                    pieces = flat.split(flat_param._param_numels)
-                    values = [piece.view(shape) for piece, shape in zip(pieces, flat_param._param_shapes)]
-                stream.optimizer_placeholders[(*key, local_id, name)] = flat
-            else:
-                # ``step``: an int, as FairScale stores it (``_checkpoint_stream_unavailable`` rules out others)
-                values = [value.item() if torch.is_tensor(value) else value] * len(entries)
-            for entry, value in zip(entries, values):
-                entry[name] = value
-        unflat_state.update(zip(global_ids, entries))
-    consolidated = {k: v for k, v in state.items() if k not in ("state", "param_groups")}
-    consolidated["state"] = unflat_state
-    params = list(range(next_global_id))
-    consolidated["param_groups"] = [dict(group, params=params) for group in state["param_groups"]]
-    consolidated["param_id_map"] = param_id_map
-    consolidated["uncollected_local_ids"] = []
-    return consolidated
+
+def _reason_in_fsdp_instances(instances: List["FullyShardedDataParallel"], process_group: Any) -> Optional[str]:
+    """What of the FSDP instances keeps the streamed save from laying the state out as FairScale gathers it."""
+    layout = _optimizer_state_layout(instances)
+    if layout != "consolidated":
+        return "the LightningModule has no FSDP instances" if layout == "replicated" else _UNFLATTENED
+    if any(m.state_dict_device.type != "cpu" for m in instances):
+        return "`state_dict_to_cpu=False`"
+    if any(m.no_broadcast_optim_state for m in instances):
+        return "FSDP instances have `no_broadcast_optim_state=True`"
+    if any(m.process_group is not process_group for m in instances):
+        return "FSDP instances have process groups of their own"
+    return None
+
+
+def _reason_in_optimizer_state(
+    optimizers: List[Optimizer], instances: List["FullyShardedDataParallel"]
+) -> Optional[str]:
+    """What of the FSDP parameters' optimizer state the streamed save has no placeholders for."""
+    flat_params = {id(p): p for m in instances for p in m.params}
+    for optimizer in optimizers:
+        for param, buffers in optimizer.state.items():
+            for name, value in buffers.items():
+                if not torch.is_tensor(value) or id(param) not in flat_params:
+                    continue
+                if value.dim() == 0 and name != "step":
+                    return "the optimizer state has dimensionless tensors other than `step`"
+                if value.dim() and value.numel() != param.numel():
+                    return f"the optimizer state {name!r} is not shaped like the FSDP parameter shards"
+    return None
 
 
 def _custom_state_dict_methods(modules: Iterable[Module]) -> List[str]:
@@ -337,3 +228,72 @@ def _custom_state_dict_methods(modules: Iterable[Module]) -> List[str]:
         if hooks:
             found.append(f"state-dict hooks of `{type(module).__name__}`")
     return found
+
+
+def _reason_in_configuration(
+    strategy: "pl.strategies.DDPFullyShardedStrategy", filepath: _PATH, storage_options: Optional[Any]
+) -> Optional[str]:
+    if not strategy.stream_checkpoint:
+        return "`stream_checkpoint=False`"
+    if not strategy.state_dict_on_rank_0_only:
+        return "`state_dict_on_rank_0_only=False`"
+    if not _streamed_save_available():
+        return f"torch {torch.__version__} cannot write a checkpoint's structure before its data (2.5 can)"
+    # also a ``save_checkpoint`` replaced on the instance: whatever it does must see the whole checkpoint
+    save = getattr(strategy.checkpoint_io, "save_checkpoint", None)
+    if storage_options is not None or getattr(save, "__func__", None) is not TorchCheckpointIO.save_checkpoint:
+        return f"the checkpoint is saved by a custom `{type(strategy.checkpoint_io).__name__}.save_checkpoint`"
+    if not isinstance(get_filesystem(filepath), LocalFileSystem):
+        return f"{str(filepath)!r} is not a local path"
+    return None
+
+
+def _reason_in_overrides(strategy: "pl.strategies.DDPFullyShardedStrategy") -> Optional[str]:
+    """The strategy methods or hooks that would see the checkpoint without its values."""
+    # imported here: fully_sharded.py imports this module for the base class
+    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
+
+    for name in ("lightning_module_state_dict", "optimizer_state"):
+        if getattr(type(strategy), name) is not getattr(DDPFullyShardedStrategy, name):
+            return f"`{type(strategy).__name__}.{name}` is overridden"
+    trainer, module = strategy.lightning_module.trainer, strategy.lightning_module
+    hooks = [
+        f"`{type(module).__name__}.{name}`"
+        for name in ("on_save_checkpoint", "on_hpc_save")
+        if is_overridden(name, module)
+    ]
+    hooks += [
+        f"`{type(callback).__name__}.on_save_checkpoint`"
+        for callback in trainer.callbacks
+        if is_overridden("on_save_checkpoint", callback, pl.Callback)
+    ]
+    if trainer.datamodule is not None and is_overridden("on_save_checkpoint", trainer.datamodule):
+        hooks.append(f"`{type(trainer.datamodule).__name__}.on_save_checkpoint`")
+    if type(strategy.precision_plugin).on_save_checkpoint is not PrecisionPlugin.on_save_checkpoint:
+        hooks.append(f"`{type(strategy.precision_plugin).__name__}.on_save_checkpoint`")
+    if hooks:
+        # hooks see the whole checkpoint with its values, as before: a streamed save has none of them yet
+        return f"{', '.join(hooks)} may read or replace the state's tensors"
+    return None
+
+
+def _reason_in_custom_state_dicts(strategy: "pl.strategies.DDPFullyShardedStrategy") -> Optional[str]:
+    emulated = _modules_with_or_in_fsdp(strategy)
+    custom = _custom_state_dict_methods(m for m in strategy.lightning_module.modules() if id(m) in emulated)
+    if custom:
+        # the streamed save lays out the FSDP part of the state dict as FairScale's and torch's own code does
+        return f"{', '.join(custom)} may change what the state dict holds"
+    return None
+
+
+def _modules_with_or_in_fsdp(strategy: "pl.strategies.DDPFullyShardedStrategy") -> Set[int]:
+    """The ids of the LightningModule's submodules that are, contain or are inside an FSDP instance: their part
+    of the state dict comes from FairScale's gather."""
+    named = list(strategy.lightning_module.named_modules())
+    fsdp_names = [name for name, _ in _named_fsdp_instances(strategy.lightning_module)]
+    instances = [m for _, m in _named_fsdp_instances(strategy.lightning_module)]
+    modules = {id(m) for instance in instances for m in instance.modules()}
+    for name, module in named:
+        if any(not name or inner == name or inner.startswith(name + ".") for inner in fsdp_names):
+            modules.add(id(module))
+    return modules

@@ -13,13 +13,23 @@ from torch.optim import Optimizer
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
-from pytorch_lightning.strategies.fsdp_optimizer_state import _gather_buffers, _gather_into, _root_optimizer_state
-from pytorch_lightning.strategies.fsdp_restore import _own_parameters
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
+from pytorch_lightning.strategies.fsdp_optimizer_state import _optimizer_root_param_ids, _root_optimizer_state
+from pytorch_lightning.strategies.fsdp_introspection import (
+    _named_fsdp_instances,
+    _outermost_fsdp_instances,
+    _own_parameters,
+)
+from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream, FSDPStreamDecisionMixin
-from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure
-from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _failed_ranks
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _gather_to_first_rank
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from pytorch_lightning.utilities.streamed_checkpoint_file import _NotStreamable, _StreamedCheckpointFile
+from pytorch_lightning.utilities.streamed_checkpoint_file import (
+    _committed_if_complete,
+    _NotStreamable,
+    _StreamedCheckpointFile,
+)
 from pytorch_lightning.utilities.types import _PATH
 
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
@@ -32,26 +42,29 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
     def _save_checkpoint_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
         """Write ``checkpoint`` while gathering the state its placeholders stand for, if this save was prepared to
         stream (see ``stream_checkpoint``), and return whether it was. Collective then."""
-        stream, self._checkpoint_stream = self._checkpoint_stream, None
+        session = self._checkpoint_state.session
+        stream = None if session is None else session.stream
+        if session is not None:
+            session.stream = None  # the placeholders are written once
         if stream is None or not stream.started or checkpoint.get("state_dict") is not stream.model_state_dict:
             return False
-        self._save_checkpoint_streamed(checkpoint, filepath, stream)
+        self._save_checkpoint_streamed(checkpoint, filepath, stream, session)
         return True
 
     def _save_checkpoint_streamed(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
     ) -> None:
         """Global rank 0 writes the checkpoint's structure, then every rank gathers the FSDP units and their
         optimizer state one at a time while rank 0 writes each into its place. Collective.
 
         The file appears at ``filepath`` only if every rank succeeded; a failure on any rank leaves the previous
         file untouched and is raised on that rank (``Trainer.save_checkpoint`` then raises it on every rank)."""
-        streams, writer = self._write_streamed_skeleton(checkpoint, filepath, stream)
+        streams, writer = self._write_streamed_skeleton(checkpoint, filepath, stream, session)
         if streams:
             self._write_streamed_units(stream, writer)
 
     def _write_streamed_skeleton(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
     ) -> Tuple[bool, Optional[_StreamedCheckpointFile]]:
         """Global rank 0 writes the checkpoint's structure into a new temporary file (see
         :meth:`_StreamedCheckpointFile.write_skeleton`); the ranks learn whether it did. Collective.
@@ -81,7 +94,7 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
                 "`DDPFullyShardedStrategy`: the checkpoint is gathered on global rank 0 before it is written, not"
                 f" streamed, because {decision[len('whole: '):]}."
             )
-            self._save_checkpoint_gathered(checkpoint, filepath, stream)
+            self._save_checkpoint_gathered(checkpoint, filepath, stream, session)
             return False, None
         return True, writer
 
@@ -91,38 +104,26 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         # before each gather of a unit, the ranks agree over the checkpoint group that all of them can take part, so
         # that a failure on one rank (in FairScale's allocation of the unit's buffers too) stops every rank there;
         # the other ranks also wait for rank 0's writes there, for as long as ``PL_CHECKPOINT_TIMEOUT`` says
-        guard = self._new_collective_guard()
-        try:
+        guard = _new_checkpoint_guard(self)
+        with _committed_if_complete(writer):
             self._stream_model_state(stream, writer, guard)
             if not stream.weights_only:
                 for index, optimizer in enumerate(self.optimizers):
                     self._stream_optimizer_state(optimizer, index, stream, writer, guard)
-            failed_ranks = guard.settle()
-        except BaseException:
-            if writer is not None:
-                writer.discard()
-            raise
-        if writer is not None:
-            if failed_ranks:
-                writer.discard()
-            else:
-                writer.commit()
+            if not guard.settle() and writer is not None:
+                writer.complete = True
         guard.raise_if_failed()
 
     def _save_checkpoint_gathered(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream"
+        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
     ) -> None:
         """Gather the state the placeholders of ``stream`` stand for, put it in their place and save the checkpoint
         as a whole, as without ``stream_checkpoint``. Collective."""
-        self._checkpoint_stream = None
-        self._defer_checkpoint_errors = True
-        try:
+        with session.gathering_state():
             state_dict = self.lightning_module_state_dict()
             optimizer_states = [] if stream.weights_only else [self.optimizer_state(o) for o in self.optimizers]
-        finally:
-            self._defer_checkpoint_errors = False
-        error = self._pop_checkpoint_error()
-        if self._exchange_checkpoint_failure_flags(error is not None):
+        error = session.pop_error()
+        if _failed_ranks(self, error is not None):
             if error is not None:
                 raise error
             return
@@ -140,11 +141,11 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         write each parameter into its placeholder's place in the file. Stops on every rank once any rank failed."""
         written = set()
         module = self.lightning_module
-        instances = [(name, m) for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+        instances = _named_fsdp_instances(module)
 
         def write(prefix: str, instance: "FullyShardedDataParallel") -> None:
             if writer is not None:
-                written.update(self._write_unit(prefix, instance, stream, writer))
+                written.update(_write_unit(prefix, instance, stream, writer))
 
         _gather_units_one_at_a_time(instances, guard, self._process_group, write, volatile=True)
         if writer is not None and not guard.stopped and written != set(stream.model):
@@ -153,24 +154,6 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
                     f"The FSDP instances gave no values for {sorted(set(stream.model) - written)} of the checkpoint."
                 )
             )
-
-    @staticmethod
-    def _write_unit(
-        prefix: str, instance: "FullyShardedDataParallel", stream: "_CheckpointStream", writer: Any
-    ) -> List[str]:
-        """Write the gathered parameters of the FSDP instance ``instance`` (not those of the instances inside it)
-        into their placeholders' places; returns their keys."""
-        written = []
-        for key, param in _own_parameters(prefix, instance):
-            placeholder = stream.model.get(key)
-            if placeholder is None or (placeholder.shape, placeholder.dtype) != (param.shape, param.dtype):
-                raise RuntimeError(
-                    f"The gathered parameter {key!r} ({tuple(param.shape)}, {param.dtype}) has no matching entry in"
-                    " the checkpoint being streamed."
-                )
-            writer.write(placeholder, param)
-            written.append(key)
-        return written
 
     def _stream_optimizer_state(
         self,
@@ -183,42 +166,54 @@ class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
         """Gather each FSDP instance's optimizer state onto global rank 0 (``torch.distributed.gather``, so the
         other ranks only ever hold their own shard), one state tensor at a time, and write it into its placeholder's
         place in the file there. Every allocation comes before the agreement that precedes its gather."""
-        for root, key, value, numel in self._streamed_optimizer_tensors(optimizer, index):
+        roots = _outermost_fsdp_instances(self.lightning_module)
+        for root, key, value, numel in _streamed_optimizer_tensors(optimizer, index, roots):
             if guard.stopped:
                 return
-            shard = received = None
+            shard = None
             with guard.catch():
                 shard = value.to(root.compute_device).reshape(-1)
-                if root.world_size > 1:
-                    received = _gather_buffers(shard, root.world_size, root.process_group)
-            if not guard.agree():
+            shards = _gather_to_first_rank(shard, guard, root.process_group, root.world_size)
+            if shards is None:
                 return
-            shards = _gather_into(shard, received, root.process_group) if root.world_size > 1 else [shard]
             if writer is None:
                 continue
             with guard.catch():
-                placeholder = stream.optimizer_placeholders[key]
-                chunk = shards[0].numel()
-                for rank, values in enumerate(shards):
-                    valid = min(max(numel - rank * chunk, 0), chunk)
-                    if valid:
-                        writer.write(placeholder, values[:valid], element_offset=rank * chunk)
+                writer.write_shards(stream.optimizer_placeholders[key], shards, numel)
 
-    def _streamed_optimizer_tensors(
-        self, optimizer: Optimizer, index: int
-    ) -> Iterator[Tuple["FullyShardedDataParallel", Tuple[Any, ...], torch.Tensor, int]]:
-        """The optimizer state tensors of the FSDP instances that a streamed save gathers, in the order of the
-        placeholders: the outermost instance, the key of the placeholder, this rank's shard of the state tensor and
-        the number of elements of the unpadded flat parameter."""
-        from fairscale.nn.data_parallel import get_fsdp_instances
-        from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
 
-        state = optimizer.state_dict()
-        roots = self._outermost_fsdp_modules()
-        for j, (root, param_ids) in enumerate(zip(roots, self._optimizer_root_param_ids(optimizer))):
-            local = _root_optimizer_state(state, param_ids)["state"]
-            for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
-                numel = sum(instance.params[0]._param_numels)
-                for name, value in local.get(local_id, {}).items():
-                    if torch.is_tensor(value) and not is_singleton_tensor(value):
-                        yield root, (index, j, local_id, name), value, numel
+def _streamed_optimizer_tensors(
+    optimizer: Optimizer, index: int, roots: List["FullyShardedDataParallel"]
+) -> Iterator[Tuple["FullyShardedDataParallel", Tuple[Any, ...], torch.Tensor, int]]:
+    """The optimizer state tensors of the FSDP instances (under the outermost ones, ``roots``) that a streamed save
+    gathers, in the order of the placeholders: the outermost instance, the key of the placeholder, this rank's shard of
+    the state tensor and the number of elements of the unpadded flat parameter."""
+    from fairscale.nn.data_parallel import get_fsdp_instances
+    from fairscale.nn.data_parallel.fsdp_optim_utils import is_singleton_tensor
+
+    state = optimizer.state_dict()
+    for j, (root, param_ids) in enumerate(zip(roots, _optimizer_root_param_ids(optimizer, roots))):
+        local = _root_optimizer_state(state, param_ids)["state"]
+        for local_id, instance in enumerate(get_fsdp_instances(root, skip_empty=True)):
+            numel = sum(instance.params[0]._param_numels)
+            for name, value in local.get(local_id, {}).items():
+                if torch.is_tensor(value) and not is_singleton_tensor(value):
+                    yield root, (index, j, local_id, name), value, numel
+
+
+def _write_unit(
+    prefix: str, instance: "FullyShardedDataParallel", stream: "_CheckpointStream", writer: Any
+) -> List[str]:
+    """Write the gathered parameters of the FSDP instance ``instance`` (not those of the instances inside it)
+    into their placeholders' places; returns their keys."""
+    written = []
+    for key, param in _own_parameters(prefix, instance):
+        placeholder = stream.model.get(key)
+        if placeholder is None or (placeholder.shape, placeholder.dtype) != (param.shape, param.dtype):
+            raise RuntimeError(
+                f"The gathered parameter {key!r} ({tuple(param.shape)}, {param.dtype}) has no matching entry in"
+                " the checkpoint being streamed."
+            )
+        writer.write(placeholder, param)
+        written.append(key)
+    return written

@@ -151,6 +151,36 @@ def _create_temporary_file(dirname: str, basename: str) -> Tuple[str, int]:
             continue
 
 
+def _remove_if_stale(entry: "os.DirEntry[str]", host: str) -> bool:
+    """Remove ``entry`` if it is a temporary file of a save whose writer is gone (see
+    :func:`remove_stale_temporary_files`), and return whether it did."""
+    match = _TEMPORARY_FILE_NAME.match(entry.name)
+    if match is None and not _LEGACY_TEMPORARY_FILE_NAME.match(entry.name):
+        return False
+    writer: Optional[int] = None
+    if match is not None and match["host"] == host and os.name != "nt":
+        writer = int(match["pid"])
+        if _process_exists(writer):
+            return False  # its save is in progress (or its process id was taken again: left for now)
+    try:
+        if not entry.is_file(follow_symlinks=False):
+            return False
+        fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        if writer is None and time.time() - os.fstat(fd).st_mtime < STALE_TEMPORARY_FILE_AGE.total_seconds():
+            return False  # its writer, elsewhere, may still be at it
+        if os.read(fd, len(_ZIP_MAGIC)) not in (b"", _ZIP_MAGIC) or not _same_file(entry.path, fd):
+            return False
+        os.remove(entry.path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _same_file(path: str, fd: int) -> bool:
     try:
         st = os.stat(path, follow_symlinks=False)
@@ -210,32 +240,7 @@ def remove_stale_temporary_files(dirname: _PATH) -> List[str]:
     except OSError:
         return removed
     host = _writer_host_id()
-    for entry in entries:
-        match = _TEMPORARY_FILE_NAME.match(entry.name)
-        if match is None and not _LEGACY_TEMPORARY_FILE_NAME.match(entry.name):
-            continue
-        writer: Optional[int] = None
-        if match is not None and match["host"] == host and os.name != "nt":
-            writer = int(match["pid"])
-            if _process_exists(writer):
-                continue  # its save is in progress (or its process id was taken again: left for now)
-        try:
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            continue
-        try:
-            if writer is None and time.time() - os.fstat(fd).st_mtime < STALE_TEMPORARY_FILE_AGE.total_seconds():
-                continue  # its writer, elsewhere, may still be at it
-            if os.read(fd, len(_ZIP_MAGIC)) not in (b"", _ZIP_MAGIC) or not _same_file(entry.path, fd):
-                continue
-            os.remove(entry.path)
-            removed.append(entry.path)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
+    removed = [entry.path for entry in entries if _remove_if_stale(entry, host)]
     if removed:
         log.info(f"Removed {len(removed)} temporary file(s) left behind by interrupted checkpoint saves: {removed}")
     return removed

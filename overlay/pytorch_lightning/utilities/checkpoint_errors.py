@@ -4,7 +4,7 @@
 type.
 
 The hooks are ``CheckpointConnector`` (through
-:class:`~pytorch_lightning.trainer.connectors.checkpoint_failures.CheckpointFailuresMixin`) and
+:class:`~pytorch_lightning.trainer.connectors.checkpoint_failures._CheckpointFailures`) and
 ``DDPFullyShardedStrategy`` (through
 :class:`~pytorch_lightning.strategies.fsdp_checkpoint_errors.FSDPCheckpointErrorsMixin`).
 """
@@ -20,6 +20,7 @@ import torch
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.checkpoint_groups import _release_process_group
+from pytorch_lightning.utilities.distributed import distributed_available
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 
 if TYPE_CHECKING:
@@ -253,21 +254,26 @@ def _new_checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optiona
         error = ex
     # the strategy has no checkpoint group yet: over the default group
     causes = _all_gather_objects(strategy, None if error is None else _describe_error(error))
+    if all(cause is None for cause in causes):
+        return group
+    raise _group_setup_failed(strategy, causes) from error
+
+
+def _group_setup_failed(strategy: "pl.strategies.Strategy", causes: List[Optional[str]]) -> MisconfigurationException:
+    """The error of every rank where creating the gloo checkpoint group failed on the ranks with a ``cause``."""
     by_cause: Dict[str, List[int]] = {}
     for rank, cause in enumerate(causes):
         if cause is not None:
             by_cause.setdefault(cause, []).append(rank)
-    if not by_cause:
-        return group
     failures = "; ".join(f"on global ranks {ranks}: {cause}" for cause, ranks in list(by_cause.items())[:3])
-    raise MisconfigurationException(
+    return MisconfigurationException(
         f"`{type(strategy).__name__}` could not create the gloo process group over which the ranks tell each other"
         f" whether a checkpoint failed ({failures}). Gloo connects the"
         " ranks over the address their host name resolves to, which other nodes may not reach (`127.0.1.1` in many"
         " container images). Set `GLOO_SOCKET_IFNAME` to the network interface the nodes reach each other over (the"
         f" one `NCCL_SOCKET_IFNAME` names, if set), or set `{CHECKPOINT_GLOO_GROUP_ENV}=0` to exchange over the default"
         f" process group instead, bounded by its own timeout rather than `{CHECKPOINT_TIMEOUT_ENV}`."
-    ) from error
+    )
 
 
 @contextmanager
@@ -329,11 +335,12 @@ def _close_checkpoint_process_group(strategy: "pl.strategies.Strategy", cause: s
     """Destroy the strategy's checkpoint group after a collective over it failed on this rank, so that the ranks still
     waiting in it, or that enter it later, fail at once instead of after its timeout; until it is replaced, a
     checkpoint collective on this rank raises :class:`CheckpointError` (see :func:`_checkpoint_process_group`)."""
+    state = strategy._checkpoint_state
     try:
-        _release_process_group(strategy, "_checkpoint_process_group")
+        _release_process_group(state, "checkpoint_group")
     except Exception:
         pass  # unusable either way
-    strategy._checkpoint_process_group = _ClosedCheckpointGroup(cause)
+    state.checkpoint_group = _ClosedCheckpointGroup(cause)
 
 
 def _checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[Any]:
@@ -344,7 +351,10 @@ def _checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[An
             :func:`_close_checkpoint_process_group`): falling back to the default group would pair this rank's
             collectives with the others' gloo ones.
     """
-    group = getattr(strategy, "_checkpoint_process_group", None)
+    # only ``DDPFullyShardedStrategy`` makes one; the others exchange over the default group
+    if not isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
+        return None
+    group = strategy._checkpoint_state.checkpoint_group
     if isinstance(group, _ClosedCheckpointGroup):
         raise CheckpointError(
             f"The gloo checkpoint group of this rank was closed after {group.cause}; the ranks create a new one when"
@@ -356,7 +366,7 @@ def _checkpoint_process_group(strategy: "pl.strategies.Strategy") -> Optional[An
 def _failure_flag_buffers(
     strategy: "pl.strategies.Strategy", group: Optional[Any] = None
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """The tensors of a failure-flag exchange (:func:`_exchange_failure_flags`): this rank's flag and one per rank to
+    """The tensors of a failure-flag exchange (:func:`_exchange_flags`): this rank's flag and one per rank to
     receive them, on the CPU for a gloo group, else on the root device. A loop allocates them before its first step,
     so that its exchanges allocate nothing after a rank ran out of memory. Over the default process group they are
     the same tensors every time (see :data:`_DEFAULT_GROUP_FLAG_BUFFERS`).
@@ -395,37 +405,27 @@ _DEFAULT_GROUP_FLAG_BUFFERS: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, 
 FINAL_EXCHANGE_FLAG = 2
 
 
-def _exchange_failure_flags(
-    strategy: "pl.strategies.Strategy",
-    failed: int,
-    buffers: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None,
-    group: Optional[Any] = None,
-) -> List[int]:
-    """The global ranks on which a checkpoint step failed. Collective.
-
-    Uses the strategy's ``_checkpoint_process_group`` if it has one (a gloo group whose timeout is
-    ``PL_CHECKPOINT_TIMEOUT``, see :func:`_new_checkpoint_process_group`), so
-    that the ranks waiting here for global rank 0 to write the file do not depend on the default group's timeout;
-    else the default process group.
-
-    Args:
-        strategy: the strategy whose ranks exchange their flags.
-        failed: this rank's flag: ``0`` (or ``False``) if it did not fail, else ``1`` (or ``True``) or
-            :data:`FINAL_EXCHANGE_FLAG`.
-        buffers: the tensors to exchange over, from :func:`_failure_flag_buffers` for the same ``group``; by default
-            those it returns.
-        group: as for :func:`_failure_flag_buffers`.
-    """
-    return [rank for rank, flag in enumerate(_exchange_flag_values(strategy, failed, buffers, group)) if flag]
-
-
-def _exchange_flag_values(
+def _exchange_flags(
     strategy: "pl.strategies.Strategy",
     flag: int,
     buffers: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None,
     group: Optional[Any] = None,
 ) -> List[int]:
-    """Every rank's flag of :func:`_exchange_failure_flags`, by global rank. Collective."""
+    """Every rank's failure flag of a checkpoint step, by global rank (see :func:`_flagged_ranks`). Collective when
+    more than one process runs.
+
+    Uses the strategy's checkpoint group if it has one (a gloo group whose timeout is ``PL_CHECKPOINT_TIMEOUT``, see
+    :func:`_new_checkpoint_process_group`), so that the ranks waiting here for global rank 0 to write the file do not
+    depend on the default group's timeout; else the default process group.
+
+    Args:
+        strategy: the strategy whose ranks exchange their flags.
+        flag: this rank's flag: ``0`` (or ``False``) if it did not fail, else ``1`` (or ``True``) or
+            :data:`FINAL_EXCHANGE_FLAG`.
+        buffers: the tensors to exchange over, from :func:`_failure_flag_buffers` for the same ``group``; by default
+            those it returns.
+        group: as for :func:`_failure_flag_buffers`.
+    """
     group = group if group is not None else _checkpoint_process_group(strategy)
     torch_distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if group is None and buffers is None and not torch_distributed:
@@ -438,9 +438,26 @@ def _exchange_flag_values(
     return [int(received.item()) for received in gathered]
 
 
+def _distributed_run(world_size: int) -> bool:
+    """Whether ``torch.distributed`` runs this process as one of ``world_size`` > 1 ranks."""
+    return world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _flagged_ranks(flags: List[int]) -> List[int]:
+    """The global ranks whose flag in ``flags`` (from :func:`_exchange_flags`) says they failed."""
+    return [rank for rank, flag in enumerate(flags) if flag]
+
+
+def _failed_ranks(strategy: "pl.strategies.Strategy", failed: bool) -> List[int]:
+    """The global ranks that report ``failed``. Collective when more than one process runs."""
+    if not distributed_available() or strategy.world_size < 2:
+        return [strategy.global_rank] if failed else []
+    return _flagged_ranks(_exchange_flags(strategy, failed))
+
+
 def _broadcast_failure(strategy: "pl.strategies.Strategy", failure: Optional[Tuple[str, str, str]], src: int) -> Any:
     """``failure`` (the description of the error and the module and name of its type) of global rank ``src`` on every
-    rank, over the group :func:`_exchange_failure_flags` used."""
+    rank, over the group :func:`_exchange_flags` used."""
     group = _checkpoint_process_group(strategy)
     if group is None:
         return strategy.broadcast(failure, src=src)
@@ -450,7 +467,7 @@ def _broadcast_failure(strategy: "pl.strategies.Strategy", failure: Optional[Tup
 
 
 def _all_gather_objects(strategy: "pl.strategies.Strategy", obj: Any) -> List[Any]:
-    """``obj`` of every rank, by global rank, over the group :func:`_exchange_failure_flags` uses: the checkpoint
+    """``obj`` of every rank, by global rank, over the group :func:`_exchange_flags` uses: the checkpoint
     group, whose gloo backend keeps the pickled objects in host memory. Collective."""
     group = _checkpoint_process_group(strategy)
     gathered: List[Any] = [None] * torch.distributed.get_world_size(group)

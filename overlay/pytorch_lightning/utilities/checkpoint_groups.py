@@ -11,8 +11,8 @@ last reference to it joins its threads with the GIL released (torch's ``ProcessG
 that work first. ``torch.distributed.destroy_process_group(group)`` alone only unregisters the group: its threads stay
 until the last reference goes.
 
-The hooks are the strategies' attributes that hold the groups: ``_checkpoint_process_group`` (set in ``setup``) and
-``_async_checkpoint_group`` (set at the first save in the background).
+The hooks are the attributes of ``DDPFullyShardedStrategy._checkpoint_state`` that hold the groups:
+``checkpoint_group`` (set in ``setup``) and ``background_group`` (set at the first save in the background).
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
 import atexit

@@ -13,7 +13,7 @@ Strategies without background saves are not affected: every function here does w
 import copy
 import os
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.types import _PATH
@@ -25,8 +25,10 @@ _COMMITTED_VIEWS: Dict[int, List[Any]] = {}
 
 
 def _in_flight_path(strategy: "pl.strategies.Strategy") -> Optional[_PATH]:
-    in_flight = getattr(strategy, "_in_flight_checkpoint_path", None)
-    return in_flight() if callable(in_flight) else None
+    # only ``DDPFullyShardedStrategy`` saves in the background
+    if not isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
+        return None
+    return strategy._in_flight_checkpoint_path()
 
 
 def _is_in_flight(strategy: "pl.strategies.Strategy", filepath: _PATH) -> bool:
@@ -63,6 +65,5 @@ def _call_loggers(trainer: "pl.Trainer", checkpoint_callback: Any) -> None:
 def _finish_in_flight_on_interrupt(trainer: "pl.Trainer") -> None:
     """On ``KeyboardInterrupt``, which skips the strategy's teardown: this rank's part of the save in flight is
     finished and reported before ``fit`` returns (see ``_finish_checkpoint_in_flight_alone``)."""
-    finish: Optional[Callable[[], None]] = getattr(trainer.strategy, "_finish_checkpoint_in_flight_alone", None)
-    if callable(finish):
-        finish()
+    if isinstance(trainer.strategy, pl.strategies.DDPFullyShardedStrategy):
+        trainer.strategy._finish_checkpoint_in_flight_alone()

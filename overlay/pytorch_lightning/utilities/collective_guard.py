@@ -14,7 +14,9 @@ collectives.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
 from contextlib import contextmanager
-from typing import Callable, Generator, List, Optional
+from typing import Any, Callable, Generator, List, Optional
+
+import torch
 
 #: Whether the ranks agree before each collective. Only the checkpoint benchmark turns it off, to measure what the
 #: agreement costs; without it a failure on one rank leaves the others waiting in the collective it skipped.
@@ -49,7 +51,7 @@ class _CollectiveGuard:
 
     Args:
         exchange: the exchange of failure flags, a collective that returns the global ranks that report ``True``
-            (``DDPFullyShardedStrategy._exchange_checkpoint_failure_flags``).
+            (:func:`~pytorch_lightning.utilities.checkpoint_errors._exchange_flags`).
     """
 
     def __init__(self, exchange: Callable[[bool], List[int]]) -> None:
@@ -122,3 +124,35 @@ class _CollectiveGuard:
         self.error = None
         if error is not None:
             raise error
+
+
+def _gather_to_first_rank(
+    tensor: Optional[torch.Tensor], guard: _CollectiveGuard, group: Optional[Any], world_size: int
+) -> Optional[List[torch.Tensor]]:
+    """Every rank's ``tensor`` (all of one shape) on the first rank of ``group`` (the default group where ``None``),
+    ``[]`` on the others, or ``None`` once a rank failed. Collective: the ranks agree before the gather (see ``guard``).
+
+    The first rank allocates the buffers it receives into before the agreement, so that running out of memory there
+    stops every rank before the gather rather than in it; a rank that failed already allocates nothing more.
+    """
+    root = _group_root(group) if world_size > 1 else 0
+    received = None
+    if world_size > 1 and not guard.stopped and torch.distributed.get_rank() == root:
+        with guard.catch():
+            received = [torch.empty_like(tensor) for _ in range(world_size)]
+    if not guard.agree():
+        return None
+    if world_size == 1:
+        return [tensor]
+    torch.distributed.gather(tensor, received, dst=root, group=group)
+    return received if received is not None else []
+
+
+def _group_root(group: Optional[Any]) -> int:
+    """The global rank of the first rank of ``group`` (the default group where ``None``)."""
+    if group is None:
+        return 0
+    get_global_rank = getattr(torch.distributed, "get_global_rank", None)  # public since torch 2.0
+    if get_global_rank is None:
+        get_global_rank = torch.distributed.distributed_c10d._get_global_rank
+    return get_global_rank(group, 0)

@@ -193,6 +193,12 @@ def safe_load(
                 " it is loaded, on every rank. Do this only for files you trust.",
             )
         return load(*args, weights_only=False, **kwargs)
+    return _load_with_lightning_safe_globals(load, source, *args, **kwargs)
+
+
+def _load_with_lightning_safe_globals(load: Callable[..., Any], source: str, *args: Any, **kwargs: Any) -> Any:
+    """``load(*args, weights_only=True, **kwargs)`` with the types Lightning writes allowed too; a global that is not
+    allowed raises the error of :func:`_refused`."""
     try:
         # ``safe_globals`` removes its types from torch's process-wide allow-list on exit: only those the user did
         # not allow already, and one load at a time

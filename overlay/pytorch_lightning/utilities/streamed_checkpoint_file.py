@@ -9,7 +9,8 @@ import ctypes
 import inspect
 import os
 import zipfile
-from typing import Any, Dict, Iterator, List, Tuple
+from contextlib import nullcontext
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -77,6 +78,20 @@ class _StreamedCheckpointFile:
         self._flush_bytes = flush_bytes
         self._unflushed = 0
         self._offsets: Dict[int, int] = {}
+        #: set by the writer once every value is written: leaving the ``with`` block then commits the file
+        self.complete = False
+        self.committed = False
+
+    def __enter__(self) -> "_StreamedCheckpointFile":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
+        """Commit the file if the block marked it :attr:`complete` and raised nothing, else discard it."""
+        if exc_type is None and self.complete:
+            self.commit()
+        else:
+            self.discard()
+        return False
 
     def write_skeleton(self, checkpoint: Dict[str, Any], pending: List[torch.Tensor]) -> None:
         """Save ``checkpoint``, leaving room for the values of the ``pending`` tensors. What it writes is flushed
@@ -129,6 +144,23 @@ class _StreamedCheckpointFile:
         if self._unflushed >= self._flush_bytes:
             self.flush()
 
+    def write_shards(
+        self,
+        placeholder: torch.Tensor,
+        shards: List[torch.Tensor],
+        numel: int,
+        start: int = 0,
+        end: Optional[int] = None,
+    ) -> None:
+        """Write the elements ``start`` to ``end`` (by default all) of a flat tensor of ``numel`` elements, given as
+        every rank's shard of it, into the pending tensor ``placeholder``, whose first element is element ``start``;
+        straight from the shards, without putting the flat tensor together."""
+        end = numel if end is None else end
+        for shard, (lo, hi) in zip(shards, _valid_ranges(shards, numel)):
+            first, last = max(start, lo), min(end, hi)
+            if first < last:
+                self.write(placeholder, shard[first - lo : last - lo], element_offset=first - start)
+
     def _pwrite(self, data: Any, offset: int) -> None:
         view = memoryview(data).cast("B")
         while view:
@@ -155,6 +187,7 @@ class _StreamedCheckpointFile:
             raise
         os.close(self._fd)
         self._fd = -1
+        self.committed = True
         _fsync_directory(self._dirname)
 
     def discard(self) -> None:
@@ -167,6 +200,19 @@ class _StreamedCheckpointFile:
             pass
         os.close(self._fd)
         self._fd = -1
+
+
+def _committed_if_complete(writer: Optional[_StreamedCheckpointFile]) -> ContextManager[Any]:
+    """``writer`` as a context manager that commits or discards it (see :meth:`_StreamedCheckpointFile.__exit__`);
+    nothing on the ranks without a file."""
+    return writer if writer is not None else nullcontext()
+
+
+def _valid_ranges(shards: List[torch.Tensor], numel: int) -> List[Tuple[int, int]]:
+    """For each rank's shard of a flat tensor of ``numel`` elements, the range of the flat tensor it holds (FSDP pads
+    the last shards with zeros)."""
+    chunk = shards[0].numel()
+    return [(min(rank * chunk, numel), min((rank + 1) * chunk, numel)) for rank in range(len(shards))]
 
 
 def _paired_tensors(obj: Any, twin: Any) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:

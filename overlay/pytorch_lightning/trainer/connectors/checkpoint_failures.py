@@ -2,11 +2,12 @@
 :class:`~pytorch_lightning.utilities.exceptions.CheckpointError` on every rank instead of leaving the ranks that did
 not fail waiting in the next collective.
 
-The hooks are ``CheckpointConnector``'s base class and the call sites in ``resume_start``, ``restore_model``,
+The hooks are ``CheckpointConnector``'s ``_failures`` part and the call sites in ``resume_start``, ``restore_model``,
 ``restore_optimizers`` and ``save_checkpoint``.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
-from typing import Any, Optional
+from contextlib import nullcontext
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.checkpoint_errors import (
@@ -15,164 +16,190 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _checkpoint_error_type_named,
     _describe_error,
     _error_type_name,
-    _exchange_failure_flags,
+    _exchange_flags,
+    _flagged_ranks,
     FINAL_EXCHANGE_FLAG,
 )
 from pytorch_lightning.utilities.collective_guard import _PeerFailed
 from pytorch_lightning.utilities.distributed import distributed_available
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from pytorch_lightning.utilities.types import _PATH
 
 
-class CheckpointFailuresMixin:
-    """Methods of ``CheckpointConnector`` that turn a failure on one rank into a ``CheckpointError`` on all."""
+class _CheckpointFailures:
+    """The part of ``CheckpointConnector`` that turns a failure on one rank into a ``CheckpointError`` on all: its
+    save, its agreement that every rank saves, and the context of each step of its restore.
 
-    trainer: "pl.Trainer"
+    Args:
+        connector: the connector whose trainer's ranks save and load.
+    """
 
-    def _raising_on_every_rank(self, action: str, hint: Optional[str] = None) -> "_RaisingOnEveryRank":
+    def __init__(self, connector: "pl.trainer.connectors.checkpoint_connector.CheckpointConnector") -> None:
+        self._connector = connector
+
+    def raising_on_every_rank(self, action: str, hint: Optional[str] = None) -> "_RaisingOnEveryRank":
         """A context manager: run the block; if it raised on any rank, raise the same ``CheckpointError`` on every
-        rank (see :meth:`_raise_on_all_ranks_if_any_failed`). Collective when more than one process runs.
+        rank (see :func:`_raise_on_every_rank_if_any_failed`). Collective when more than one process runs.
 
         Args:
             action: what the block does, naming the checkpoint path.
             hint: an optional sentence appended to the message.
         """
-        return _RaisingOnEveryRank(self, action, hint)
+        return _RaisingOnEveryRank(self._connector.trainer, action, hint)
 
-    @staticmethod
-    def _check_loaded_checkpoint(loaded_checkpoint: Any) -> None:
-        if not isinstance(loaded_checkpoint, dict):
-            raise TypeError(
-                f"Expected the checkpoint to be a `dict`, but it holds a `{type(loaded_checkpoint).__name__}`."
-            )
-
-    def _agree_that_every_rank_saves(self, filepath: _PATH) -> None:
+    def agree_that_every_rank_saves(self, filepath: _PATH) -> None:
         """Called first by ``Trainer.save_checkpoint``: with a strategy whose save is a collective that the ranks begin
         by agreeing that all of them are in it (FSDP's, see ``_agree_on_checkpoint_arrival``), return once they
         are, or raise ``CheckpointError`` after ``PL_CHECKPOINT_ARRIVAL_TIMEOUT``. Collective for those strategies."""
-        agree = getattr(self.trainer.strategy, "_agree_on_checkpoint_arrival", None)
-        if callable(agree):
-            agree(f"Saving the checkpoint to {str(filepath)!r}")
+        strategy = self._connector.trainer.strategy
+        if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
+            strategy._agree_on_checkpoint_arrival(f"Saving the checkpoint to {str(filepath)!r}")
 
-    def _save_checkpoint_on_every_rank(
+    def save_checkpoint_on_every_rank(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
     ) -> None:
         """``CheckpointConnector.save_checkpoint``: dump the checkpoint and let the strategy save it; a failure on
         any rank raises on every rank when the strategy gathers the state on all of them (FSDP, DeepSpeed), else on
         the failing rank alone."""
-        strategy = self.trainer.strategy
-        error: Optional[BaseException] = None
+        strategy = self._connector.trainer.strategy
         action = f"Saving the checkpoint to {str(filepath)!r}"
-        collective_strategies = (pl.strategies.DDPFullyShardedStrategy, pl.strategies.DeepSpeedStrategy)
-        collective = isinstance(strategy, collective_strategies)
-        # a rank that fails inside a per-unit loop of gathering the state keeps taking part in the loop's collectives
-        # and in those that follow: the strategy keeps the error until ``dump_checkpoint`` is done
-        strategy._defer_checkpoint_errors = collective
-        # what the gathered state will hold, for the strategy's host-memory check; whether this save already failed
-        # on every rank (a rank lacks the host memory, or a gather failed), so that the rest of it gathers nothing
-        strategy._checkpoint_weights_only = weights_only
-        strategy._checkpoint_abandoned = False
-        try:
-            _checkpoint = self.dump_checkpoint(weights_only)
-        except Exception as ex:
-            error = ex
-        finally:
-            strategy._defer_checkpoint_errors = False
-        # a failure inside a per-unit loop of gathering the state, kept by the strategy until every rank has been
-        # through all of its collectives (the model's state dict, then one consolidation per optimizer)
-        pop_error = getattr(strategy, "_pop_checkpoint_error", None)
-        pending = pop_error() if callable(pop_error) else None
-        if isinstance(pending, BaseException):
-            error = pending
+        collective = isinstance(strategy, (pl.strategies.DDPFullyShardedStrategy, pl.strategies.DeepSpeedStrategy))
+        checkpoint, error = self._dump_checkpoint(filepath, weights_only, storage_options)
         if collective:
             # Collective: the ranks agree that the state was gathered everywhere before anything is written, so that
             # a failure on one rank never replaces the previous checkpoint with an incomplete one.
-            self._raise_on_all_ranks_if_any_failed(error, action)
+            self.raise_on_every_rank_if_any_failed(error, action)
         elif error is not None:
             # other strategies let users call ``trainer.save_checkpoint`` on rank 0 alone, where a collective would hang
-            self._raise_on_all_ranks_if_any_failed(error, action, collective=False)
+            self.raise_on_every_rank_if_any_failed(error, action, collective=False)
+        error = None
         try:
-            strategy.save_checkpoint(_checkpoint, filepath, storage_options=storage_options)
+            strategy.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         except Exception as ex:
             error = ex
-        if not collective:
-            self._raise_on_all_ranks_if_any_failed(error, action, collective=False)
-            return
-        # These strategies gather the state on every rank, so every rank is here. Collective: the ranks that did not
-        # write learn whether the write succeeded, so that a failure stops every rank at once instead of leaving them
-        # waiting in the next collective until the process group times out.
-        self._raise_on_all_ranks_if_any_failed(error, action)
+        # With FSDP and DeepSpeed every rank is here, since they gathered the state together. Collective: the ranks
+        # that did not write learn whether the write succeeded, so that a failure stops every rank at once instead of
+        # leaving them waiting in the next collective until the process group times out.
+        self.raise_on_every_rank_if_any_failed(error, action, collective=collective)
 
-    def _raise_on_all_ranks_if_any_failed(
+    def _dump_checkpoint(
+        self, filepath: _PATH, weights_only: bool, storage_options: Optional[Any]
+    ) -> Tuple[Optional[Dict[str, Any]], Optional[BaseException]]:
+        """``dump_checkpoint``, and this rank's error if it failed. Under ``DDPFullyShardedStrategy`` a rank that fails
+        inside a per-unit loop of gathering the state keeps taking part in the loop's collectives and in those that
+        follow (the model's state dict, then one consolidation per optimizer): the save's session keeps the error
+        until the dump is done."""
+        strategy = self._connector.trainer.strategy
+        session = None
+        if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
+            # decided before the state is gathered: whether the strategy writes it while gathering it
+            session = strategy._begin_checkpoint_save(filepath, weights_only, storage_options)
+        checkpoint, error = None, None
+        try:
+            with session.gathering_state() if session is not None else nullcontext():
+                checkpoint = self._connector.dump_checkpoint(weights_only)
+        except Exception as ex:
+            error = ex
+        pending = session.pop_error() if session is not None else None
+        return checkpoint, pending if pending is not None else error
+
+    def raise_on_every_rank_if_any_failed(
         self, error: Optional[BaseException], action: str, hint: Optional[str] = None, collective: bool = True
     ) -> None:
-        """Raise the same :class:`~pytorch_lightning.utilities.exceptions.CheckpointError` on every rank if
-        ``error`` is set on any rank.
+        """See :func:`_raise_on_every_rank_if_any_failed`."""
+        _raise_on_every_rank_if_any_failed(self._connector.trainer, error, action, hint, collective)
 
-        This is a collective call when more than one process runs: every rank must call it, whether it failed or
-        not. It costs one small ``all_gather``, plus one ``broadcast`` of the error message and of the name of the
-        error's type when a rank failed, over the strategy's checkpoint process group if it has one (see
-        :func:`_exchange_failure_flags`).
 
-        Args:
-            error: the exception this rank raised, or ``None`` if it succeeded.
-            action: what failed, naming the checkpoint path, e.g. ``"Saving the checkpoint to 'last.ckpt'"``.
-            hint: an optional sentence appended to the message.
-            collective: ``False`` raises on this rank only, without communicating.
+def _check_loaded_checkpoint(loaded_checkpoint: Any) -> None:
+    if not isinstance(loaded_checkpoint, dict):
+        raise TypeError(f"Expected the checkpoint to be a `dict`, but it holds a `{type(loaded_checkpoint).__name__}`.")
 
-        The error raised is also an instance of the original error's type (the failing rank's own, the first
-        failing rank's on the others), so that ``except FileNotFoundError:`` and the like catch it as they did before.
-        A ``MisconfigurationException`` is a user error, not a failed write: the rank that raised it re-raises it
-        unchanged, after the other ranks have been told.
-        """
-        suffix = f" {hint}" if hint else ""
-        if not collective or not distributed_available() or self.trainer.world_size < 2:
-            if isinstance(error, MisconfigurationException):
-                raise error
-            if error is not None:
-                message = f"{action} failed: {_describe_error(error)}.{suffix}"
-                raise _checkpoint_error_type(type(error))(message) from error
-            return
 
-        strategy = self.trainer.strategy
-        # a rank that stopped because another one failed (``_PeerFailed``) reports no failure of its own: the message
-        # names the rank that failed and its cause
-        stopped = isinstance(error, _PeerFailed)
-        # a loop's agreement may have met this exchange of a rank that failed outside the loop: then this rank has its
-        # flags already, and that rank is on its way to the broadcast below
-        failed_ranks = vars(strategy).pop("_checkpoint_final_flags", None)
-        if failed_ranks is None:
-            failed = error is not None and not stopped
-            failed_ranks = _exchange_failure_flags(strategy, FINAL_EXCHANGE_FLAG if failed else 0)
-        if not failed_ranks:
-            if stopped:
-                # cannot happen while the ranks agree; raised rather than lost
-                raise _checkpoint_error_type(RuntimeError)(f"{action} failed: {error}{suffix}") from error
-            return
+def _raise_on_every_rank_if_any_failed(
+    trainer: "pl.Trainer",
+    error: Optional[BaseException],
+    action: str,
+    hint: Optional[str] = None,
+    collective: bool = True,
+) -> None:
+    """Raise the same :class:`~pytorch_lightning.utilities.exceptions.CheckpointError` on every rank if ``error`` is
+    set on any rank.
+
+    This is a collective call when more than one process runs: every rank must call it, whether it failed or not. It
+    costs one small ``all_gather``, plus one ``broadcast`` of the error message and of the name of the error's type
+    when a rank failed, over the strategy's checkpoint process group if it has one (see :func:`_exchange_flags`).
+
+    Args:
+        trainer: the trainer whose ranks saved or loaded.
+        error: the exception this rank raised, or ``None`` if it succeeded.
+        action: what failed, naming the checkpoint path, e.g. ``"Saving the checkpoint to 'last.ckpt'"``.
+        hint: an optional sentence appended to the message.
+        collective: ``False`` raises on this rank only, without communicating.
+
+    The error raised is also an instance of the original error's type (the failing rank's own, the first failing
+    rank's on the others), so that ``except FileNotFoundError:`` and the like catch it as they did before. A
+    ``MisconfigurationException`` is a user error, not a failed write: the rank that raised it re-raises it
+    unchanged, after the other ranks have been told.
+    """
+    suffix = f" {hint}" if hint else ""
+    if not collective or not distributed_available() or trainer.world_size < 2:
         if isinstance(error, MisconfigurationException):
             raise error
-        src = failed_ranks[0]
-        failure = (_describe_error(error), *_error_type_name(error)) if self.trainer.global_rank == src else None
-        cause, module, qualname = _broadcast_failure(strategy, failure, src)
-        message = f"{action} failed on global rank {src}: {cause}."
-        if len(failed_ranks) > 1:
-            message += f" It also failed on global ranks {failed_ranks[1:]}."
+        if error is not None:
+            message = f"{action} failed: {_describe_error(error)}.{suffix}"
+            raise _checkpoint_error_type(type(error))(message) from error
+        return
+    # a rank that stopped because another one failed (``_PeerFailed``) reports no failure of its own: the message
+    # names the rank that failed and its cause
+    stopped = isinstance(error, _PeerFailed)
+    failed_ranks = _final_failed_ranks(trainer.strategy, error is not None and not stopped)
+    if not failed_ranks:
         if stopped:
-            error = None
-        if error is None:
-            message += " This rank stops too, so that no rank waits for the others."
-            error_type = _checkpoint_error_type_named(module, qualname)
-        else:
-            error_type = _checkpoint_error_type(type(error))
-        raise error_type(message + suffix) from error
+            # cannot happen while the ranks agree; raised rather than lost
+            raise _checkpoint_error_type(RuntimeError)(f"{action} failed: {error}{suffix}") from error
+        return
+    if isinstance(error, MisconfigurationException):
+        raise error
+    cause = None if stopped else error
+    raise _error_of_first_failed_rank(trainer, cause, failed_ranks, action, suffix) from cause
+
+
+def _final_failed_ranks(strategy: "pl.strategies.Strategy", failed: bool) -> List[int]:
+    """The global ranks that failed, from the final failure-flag exchange of a save or load. Collective."""
+    if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
+        # a loop's agreement may have met this exchange of a rank that failed outside the loop: then this rank has
+        # its flags already, and that rank is on its way to the broadcast of its error
+        flags = strategy._checkpoint_state.take_final_flags()
+        if flags is not None:
+            return flags
+    return _flagged_ranks(_exchange_flags(strategy, FINAL_EXCHANGE_FLAG if failed else 0))
+
+
+def _error_of_first_failed_rank(
+    trainer: "pl.Trainer", error: Optional[BaseException], failed_ranks: List[int], action: str, suffix: str
+) -> CheckpointError:
+    """The error to raise on this rank: the first failed rank broadcasts its error's description and type, and every
+    rank builds a ``CheckpointError`` of that type (its own error's type on a rank that failed). Collective."""
+    src = failed_ranks[0]
+    failure = (_describe_error(error), *_error_type_name(error)) if trainer.global_rank == src else None
+    cause, module, qualname = _broadcast_failure(trainer.strategy, failure, src)
+    message = f"{action} failed on global rank {src}: {cause}."
+    if len(failed_ranks) > 1:
+        message += f" It also failed on global ranks {failed_ranks[1:]}."
+    if error is None:
+        message += " This rank stops too, so that no rank waits for the others."
+        error_type = _checkpoint_error_type_named(module, qualname)
+    else:
+        error_type = _checkpoint_error_type(type(error))
+    return error_type(message + suffix)
 
 
 class _RaisingOnEveryRank:
-    """See :meth:`CheckpointFailuresMixin._raising_on_every_rank`. A class rather than a generator: a
+    """See :meth:`_CheckpointFailures.raising_on_every_rank`. A class rather than a generator: a
     ``CheckpointError[StopIteration]`` raised from a generator would turn into a ``RuntimeError``."""
 
-    def __init__(self, connector: CheckpointFailuresMixin, action: str, hint: Optional[str]) -> None:
-        self.connector, self.action, self.hint = connector, action, hint
+    def __init__(self, trainer: "pl.Trainer", action: str, hint: Optional[str]) -> None:
+        self.trainer, self.action, self.hint = trainer, action, hint
 
     def __enter__(self) -> None:
         return None
@@ -180,5 +207,5 @@ class _RaisingOnEveryRank:
     def __exit__(self, exc_type: Any, error: Optional[BaseException], traceback: Any) -> bool:
         if error is not None and not isinstance(error, Exception):
             return False  # ``KeyboardInterrupt`` and the like stop this rank as they are
-        self.connector._raise_on_all_ranks_if_any_failed(error, self.action, hint=self.hint)
+        _raise_on_every_rank_if_any_failed(self.trainer, error, self.action, hint=self.hint)
         return False
