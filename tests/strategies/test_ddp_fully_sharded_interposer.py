@@ -21,6 +21,7 @@ from pytorch_lightning.strategies.fsdp_guarded_gathers import (
     _agreeing_fairscale_collectives,
     _check_fairscale_interposable,
     _fairscale_interposer_problems,
+    _group_argument,
 )
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -83,6 +84,16 @@ def test_shape_check_passes_installed_fairscale_and_the_cpu_harness_global():
     assert _fairscale_interposer_problems(fsdp_module) == []
     # the CPU harness replaces the same global with a proxy of its own (fsdp_harness/cpu_fsdp.py)
     assert _fairscale_interposer_problems(fairscale_like(dist=_FreshCPUOutputsDist(fsdp_module.dist))) == []
+
+
+def test_torch_collectives_wrapped_by_others_still_pass_and_bind_their_group(monkeypatch):
+    """A test's fault injection, a profiler or the CPU harness may replace ``torch.distributed.gather`` with a wrapper
+    that takes ``*args``: the check and the positional-``group`` binding read torch's own function instead."""
+    original = torch.distributed.gather
+    monkeypatch.setattr(torch.distributed, "gather", lambda *args, **kwargs: original(*args, **kwargs))
+    assert _fairscale_interposer_problems(fsdp_module) == []
+    group = object()
+    assert _group_argument("gather", (torch.zeros(1), None, 0, group), {}) is group
 
 
 def _guard() -> _CollectiveGuard:

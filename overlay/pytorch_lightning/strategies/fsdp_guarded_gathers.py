@@ -78,9 +78,12 @@ class _AgreeingDistributed:
 
 @lru_cache(maxsize=None)
 def _collective_signature(name: str) -> inspect.Signature:
-    # FairScale calls whatever its global holds as it would call ``torch.distributed``, so that is the signature that
-    # says where a positional ``group`` sits (a replacement such as the CPU harness's may take ``*args``)
-    return inspect.signature(getattr(torch.distributed, name))
+    # FairScale calls whatever its global holds as it would call ``torch.distributed``, so torch's own function says
+    # where a positional ``group`` sits. It is read from ``distributed_c10d``, where torch defines it: the names in
+    # ``torch.distributed`` may be replaced by a wrapper taking ``*args`` (the CPU harness's, a profiler's, a test's)
+    from torch.distributed import distributed_c10d
+
+    return inspect.signature(getattr(distributed_c10d, name, None) or getattr(torch.distributed, name))
 
 
 def _group_argument(name: str, args: Tuple, kwargs: Dict[str, Any]) -> Any:
