@@ -413,7 +413,14 @@ def _interrupted_fit(args: argparse.Namespace, during_wait: bool) -> Dict[str, A
     trainer = _trainer(args, max_epochs=1, callbacks=[interrupt, checkpoint], enable_checkpointing=True)
     model = _model()
     model.batches = 4
-    trainer.fit(model)
+    # as in a job started from a terminal, where Ctrl-C raises ``KeyboardInterrupt``: a process started in the
+    # background by a shell without job control (``pytest ... &`` in a script) inherits SIGINT ignored, and then the
+    # signal interrupts nothing and ``fit`` finishes
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        trainer.fit(model)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     result: Dict[str, Any] = {
         "status": str(trainer.state.status),
         "was_in_flight": interrupt.in_flight,
