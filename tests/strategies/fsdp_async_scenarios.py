@@ -42,7 +42,7 @@ from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import LightningLoggerBase
 from pytorch_lightning.strategies.ddp import DDPStrategy
-from pytorch_lightning.strategies.fsdp_async_checkpoint import FSDPAsyncCheckpointMixin
+from pytorch_lightning.strategies.fsdp_checkpointing_strategy import _FSDPCheckpointingStrategy
 from pytorch_lightning.utilities import host_memory
 from tests.helpers.fake_proc import FakeProc
 from tests.strategies.fsdp_collective_fault_scenarios import _outcome, sha256
@@ -228,7 +228,7 @@ def model_checkpoint(args: argparse.Namespace) -> Dict[str, Any]:
     folder = args.out / "ckpts"
     folder.mkdir(parents=True, exist_ok=True)
     if args.broken_ordering:
-        FSDPAsyncCheckpointMixin.remove_checkpoint = DDPStrategy.remove_checkpoint
+        _FSDPCheckpointingStrategy.remove_checkpoint = DDPStrategy.remove_checkpoint
     slow = InWriterThread(os, "pwrite", 0, lambda *a: time.sleep(0.05))
     slow.armed = True
     monitor = FolderMonitor(folder)
