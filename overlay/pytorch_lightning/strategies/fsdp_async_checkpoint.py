@@ -4,8 +4,9 @@ memory and global rank 0 writes the checkpoint's structure; a thread on every ra
 a time, over a gloo group of its own to rank 0, which writes them into the same single file a streamed save writes,
 and renames it into place once every rank succeeded.
 
-The hooks are ``DDPFullyShardedStrategy``'s ``async_checkpoint`` argument and base class; the rest are overrides of
-the strategy's own methods (the streamed save's units, ``remove_checkpoint``, ``load_checkpoint`` and ``teardown``).
+The hooks are ``DDPFullyShardedStrategy``'s ``async_checkpoint`` argument; its base class hands the streamed save's
+units, ``remove_checkpoint``, ``load_checkpoint``, ``setup_environment`` and ``teardown`` to these functions through the
+strategy's checkpointer.
 """
 # fork-feature: fork/fsdp-async-checkpoint.patch
 import logging

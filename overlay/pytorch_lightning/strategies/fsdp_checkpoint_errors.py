@@ -2,7 +2,7 @@
 gathering the FSDP state dict does not desynchronise the ranks, and the ranks check that they have the host memory
 for the checkpoint before any of them gathers it.
 
-The hooks are ``DDPFullyShardedStrategy``'s base class and the call sites in ``setup`` and
+The hooks are ``DDPFullyShardedStrategy``'s checkpointer and the call sites in ``setup`` and
 ``lightning_module_state_dict``; ``CheckpointConnector.save_checkpoint`` raises the kept error on every rank.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch

@@ -1,7 +1,8 @@
 """Consolidated FSDP optimizer state: ``DDPFullyShardedStrategy`` saves the full optimizer state, gathered onto
 global rank 0 one FSDP instance at a time, in FairScale's format, and re-shards it on load for any world size.
 
-The hooks are ``DDPFullyShardedStrategy``'s base class and ``configure_ddp``, which checks the layout.
+The hooks are ``DDPFullyShardedStrategy``'s ``optimizer_state`` and ``load_optimizer_state_dict`` (through its base
+class and checkpointer) and ``configure_ddp``, which checks the layout.
 """
 # fork-feature: fork/fsdp-consolidated-optimizer-state.patch
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TYPE_CHECKING
@@ -277,7 +278,7 @@ def _streamed_root_optimizer_state(
 def _checkpointed_optimizer_state(
     state: Dict[str, Any], consolidated: List[Any], root_param_ids: List[List[Optional[int]]]
 ) -> Dict[str, Any]:
-    """What the checkpoint holds of an optimizer (see :meth:`FSDPOptimizerStateMixin.optimizer_state`): the state of
+    """What the checkpoint holds of an optimizer (see ``DDPFullyShardedStrategy.optimizer_state``): the state of
     the replicated parameters from ``state`` (``optimizer.state_dict()``), the param groups, and the ``consolidated``
     state of each outermost FSDP instance with its flat parameters' indices into the optimizer."""
     sharded = {i for param_ids in root_param_ids for i in param_ids if i is not None}
@@ -306,7 +307,7 @@ def _load_hyperparameters_of_rank_zero_shard(optimizer: Optimizer, opt_state: Ma
 
 def _optimizer_state_layout(instances: List["FullyShardedDataParallel"]) -> str:
     """How the optimizer state of a LightningModule with the FSDP instances ``instances`` is saved (see
-    :meth:`FSDPOptimizerStateMixin._optimizer_state_layout`)."""
+    :func:`_optimizer_state_layout_of`)."""
     if not instances:
         return "replicated"
     return "consolidated" if all(m.flatten_parameters for m in instances) else "per_rank"

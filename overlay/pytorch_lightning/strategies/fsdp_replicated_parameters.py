@@ -2,7 +2,8 @@
 rank 0 at setup and their gradients averaged before each optimizer step, as DDP does. With ``cpu_offload`` they,
 and the buffers outside FSDP, are put on the root device, where FairScale computes.
 
-The hooks are ``DDPFullyShardedStrategy``'s base class and ``configure_ddp``.
+The hooks are ``DDPFullyShardedStrategy``'s ``connect`` and ``optimizer_step`` (through its base class and
+checkpointer) and ``configure_ddp``.
 """
 # fork-feature: fork/fsdp-sync-replicated-gradients.patch
 from typing import Any, Callable, Dict, List, Tuple, TYPE_CHECKING

@@ -1,8 +1,8 @@
 """Restore after sharding: ``DDPFullyShardedStrategy`` restores the checkpoint once ``configure_sharded_model`` has
 created and wrapped the layers, and loads the full state dict into the sharded model one FSDP unit at a time.
 
-The hooks are ``DDPFullyShardedStrategy``'s base class, ``setup`` (which records the FSDP instances), and
-``Trainer._run`` (which restores before ``on_fit_start``).
+The hooks are ``DDPFullyShardedStrategy``'s ``load_model_state_dict`` (through its base class), ``setup`` (which
+records the FSDP instances), and ``Trainer._run`` (which restores before ``on_fit_start``).
 """
 # fork-feature: fork/fsdp-restore-after-sharding.patch
 from typing import Any, Callable, List, Mapping, Set, TYPE_CHECKING

@@ -4,7 +4,7 @@ state hold placeholders (``FakeTensor``) for the FSDP parameters and their optim
 gathered save writes.
 
 The hooks are ``DDPFullyShardedStrategy``'s ``stream_checkpoint`` argument and ``lightning_module_state_dict``,
-and ``CheckpointConnector.save_checkpoint``, which calls :meth:`FSDPStreamDecisionMixin._begin_checkpoint_save`.
+and ``CheckpointConnector.save_checkpoint``, which calls :func:`_begin_checkpoint_save` (through the checkpointer).
 :mod:`pytorch_lightning.strategies.fsdp_streaming_save` writes the file.
 """
 # fork-feature: fork/fsdp-streaming-save.patch
@@ -60,7 +60,7 @@ def _begin_checkpoint_save(
 
 
 def _decide_checkpoint_stream(
-    strategy: "DDPFullyShardedStrategy", filepath: _PATH, storage_options: Optional[Any]
+    strategy: "DDPFullyShardedStrategy", filepath: _PATH, storage_options: Any
 ) -> Optional[str]:
     """Global rank 0's reason why this save cannot be streamed, or ``None`` if it can, on every rank."""
     try:

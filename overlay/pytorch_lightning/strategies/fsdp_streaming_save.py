@@ -2,8 +2,8 @@
 and their optimizer state one at a time while rank 0 writes each into its place in the file, so that rank 0 holds
 about one unit instead of the whole checkpoint.
 
-The hooks are ``DDPFullyShardedStrategy``'s base class and ``save_checkpoint``, which calls
-:meth:`FSDPStreamingSaveMixin._save_checkpoint_if_streamed`.
+The hook is ``DDPFullyShardedStrategy.save_checkpoint``, which calls :func:`_save_checkpoint_if_streamed` through
+the strategy's checkpointer.
 """
 
 # fork-feature: fork/fsdp-streaming-save.patch
@@ -57,33 +57,18 @@ def _save_checkpoint_if_streamed(
         session.stream = None  # the placeholders are written once
     if stream is None or not stream.started or checkpoint.get("state_dict") is not stream.model_state_dict:
         return False
-    _save_checkpoint_streamed(strategy, checkpoint, filepath, stream, session, write_units)
-    return True
-
-
-def _save_checkpoint_streamed(
-    strategy: "DDPFullyShardedStrategy",
-    checkpoint: Dict[str, Any],
-    filepath: _PATH,
-    stream: "_CheckpointStream",
-    session: _SaveSession,
-    write_units: "_UnitsWriter",
-) -> None:
-    """Global rank 0 writes the checkpoint's structure, then every rank gathers the FSDP units and their
-    optimizer state one at a time while rank 0 writes each into its place. Collective.
-
-    The file appears at ``filepath`` only if every rank succeeded; a failure on any rank leaves the previous
-    file untouched and is raised on that rank (``Trainer.save_checkpoint`` then raises it on every rank)."""
+    # global rank 0 writes the checkpoint's structure, then every rank gathers the FSDP units and their optimizer
+    # state one at a time while rank 0 writes each into its place. The file appears at ``filepath`` only if every
+    # rank succeeded; a failure on any rank leaves the previous file untouched and is raised on that rank
+    # (``Trainer.save_checkpoint`` then raises it on every rank)
     streams, writer = _write_streamed_skeleton(strategy, checkpoint, filepath, stream, session)
     if streams:
         write_units(strategy, stream, writer)
+    return True
 
 
 def _write_streamed_skeleton(
-    strategy: "DDPFullyShardedStrategy",
-    checkpoint: Dict[str, Any],
-    filepath: _PATH,
-    stream: "_CheckpointStream",
+    strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream",
     session: _SaveSession,
 ) -> Tuple[bool, Optional[_StreamedCheckpointFile]]:
     """Global rank 0 writes the checkpoint's structure into a new temporary file (see
@@ -139,10 +124,7 @@ def _write_streamed_units(
 
 
 def _save_checkpoint_gathered(
-    strategy: "DDPFullyShardedStrategy",
-    checkpoint: Dict[str, Any],
-    filepath: _PATH,
-    stream: "_CheckpointStream",
+    strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream",
     session: _SaveSession,
 ) -> None:
     """Gather the state the placeholders of ``stream`` stand for, put it in their place and save the checkpoint
