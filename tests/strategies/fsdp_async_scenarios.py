@@ -24,6 +24,7 @@ Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_asy
 """
 import argparse
 import errno
+import functools
 import os
 import signal
 import threading
@@ -58,6 +59,8 @@ class InWriterThread:
         self.armed = False
         original = getattr(owner, name)
 
+        # keeps ``original``'s signature: the strategy checks at setup that the collectives take a ``group``
+        @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self.armed and global_rank() == rank and threading.current_thread().name == WRITER_THREAD:
                 fault(*args)
