@@ -108,8 +108,8 @@ def test_save_is_collective_only_where_saving_already_is(_, strategy_name, colle
     connector.trainer.strategy.__class__ = type("Spec", (strategy_cls,), {})
     connector.trainer.strategy.save_checkpoint = mock.Mock()
     # the FSDP strategy's checkpoint state and the session of this save, as the strategy makes them
-    connector.trainer.strategy._checkpoint_state = _FSDPCheckpointState()
-    connector.trainer.strategy._begin_checkpoint_save.return_value = _SaveSession()
+    connector.trainer.strategy._checkpointer.state = _FSDPCheckpointState()
+    connector.trainer.strategy._checkpointer.begin_save.return_value = _SaveSession()
     with mock.patch.object(connector, "dump_checkpoint", return_value={}):
         connector.save_checkpoint("x.ckpt")
     assert connector.trainer.strategy.all_gather.called is collective

@@ -24,6 +24,7 @@ Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_asy
 """
 import argparse
 import errno
+import functools
 import os
 import signal
 import threading
@@ -42,7 +43,7 @@ from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import LightningLoggerBase
 from pytorch_lightning.strategies.ddp import DDPStrategy
-from pytorch_lightning.strategies.fsdp_async_checkpoint import FSDPAsyncCheckpointMixin
+from pytorch_lightning.strategies.fsdp_checkpointing_strategy import _FSDPCheckpointingStrategy
 from pytorch_lightning.utilities import host_memory
 from tests.helpers.fake_proc import FakeProc
 from tests.strategies.fsdp_collective_fault_scenarios import _outcome, sha256
@@ -58,6 +59,8 @@ class InWriterThread:
         self.armed = False
         original = getattr(owner, name)
 
+        # keeps ``original``'s signature: the strategy checks at setup that the collectives take a ``group``
+        @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self.armed and global_rank() == rank and threading.current_thread().name == WRITER_THREAD:
                 fault(*args)
@@ -228,7 +231,7 @@ def model_checkpoint(args: argparse.Namespace) -> Dict[str, Any]:
     folder = args.out / "ckpts"
     folder.mkdir(parents=True, exist_ok=True)
     if args.broken_ordering:
-        FSDPAsyncCheckpointMixin.remove_checkpoint = DDPStrategy.remove_checkpoint
+        _FSDPCheckpointingStrategy.remove_checkpoint = DDPStrategy.remove_checkpoint
     slow = InWriterThread(os, "pwrite", 0, lambda *a: time.sleep(0.05))
     slow.armed = True
     monitor = FolderMonitor(folder)

@@ -41,6 +41,7 @@ from fsdp_harness.models import FSDPModel, full_parameters
 from fsdp_harness.scenario import end_process_groups, global_rank, main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import compare_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
+from pytorch_lightning.strategies import fsdp_streaming_save
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
 from tests.strategies.fsdp_collective_fault_scenarios import _outcome, sha256
 
@@ -269,20 +270,19 @@ def allocation_cases(args: argparse.Namespace) -> Dict[str, Any]:
         before = sha256(path) if trainer.is_global_zero else None
         strategy.stream_checkpoint = save == "streamed"
         # armed while the optimizer state is gathered only: the model's gather allocates with the same functions
+        # (the streamed save's optimizer state is gathered by its part's function, the strategy's by its method)
+        owner: Any = fsdp_streaming_save if save == "streamed" else strategy
         method = "_stream_optimizer_state" if save == "streamed" else "optimizer_state"
-        original = getattr(type(strategy), method)
+        original = getattr(owner, method)
 
         @contextlib.contextmanager
         def fault(rank: int = rank, trigger: str = trigger, fail_on: int = fail_on, persistent: bool = persistent):
             def armed_method(*a: Any, **k: Any) -> Any:
                 with oom.armed(rank, trigger, fail_on, persistent):
-                    return original(strategy, *a, **k)
+                    return original(*a, **k)
 
-            setattr(strategy, method, armed_method)
-            try:
+            with mock.patch.object(owner, method, armed_method):
                 yield
-            finally:
-                delattr(strategy, method)
 
         outcome = _failed_save(trainer, path, fault)
         outcome.update(before=before, allocations_after_oom=oom.after)

@@ -18,6 +18,7 @@ from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning.strategies import fsdp_streaming_save
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
 from pytorch_lightning.utilities.exceptions import CheckpointError
 
@@ -144,7 +145,7 @@ def inject_fault(trainer: Trainer, fault: str) -> Any:
     if trainer.global_rank != FAULTS[fault]:
         return mock.patch.dict({})
     if fault == "optimizer":
-        stream_optimizer_state = type(trainer.strategy)._stream_optimizer_state
+        stream_optimizer_state = fsdp_streaming_save._stream_optimizer_state
 
         def failing_to(tensor: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
             raise RuntimeError("injected failure moving optimizer state")
@@ -153,7 +154,7 @@ def inject_fault(trainer: Trainer, fault: str) -> Any:
             with mock.patch.object(torch.Tensor, "to", failing_to):
                 stream_optimizer_state(*a, **k)
 
-        return mock.patch.object(type(trainer.strategy), "_stream_optimizer_state", stream_with_failure)
+        return mock.patch.object(fsdp_streaming_save, "_stream_optimizer_state", stream_with_failure)
     method = "write_skeleton" if fault == "skeleton" else "write"
     original, calls = getattr(_StreamedCheckpointFile, method), []
 

@@ -4,25 +4,25 @@ memory and global rank 0 writes the checkpoint's structure; a thread on every ra
 a time, over a gloo group of its own to rank 0, which writes them into the same single file a streamed save writes,
 and renames it into place once every rank succeeded.
 
-The hooks are ``DDPFullyShardedStrategy``'s ``async_checkpoint`` argument and base class; the rest are overrides of
-the strategy's own methods (the streamed save's units, ``remove_checkpoint``, ``load_checkpoint`` and ``teardown``).
+The hooks are ``DDPFullyShardedStrategy``'s ``async_checkpoint`` argument; its base class hands the streamed save's
+units, ``remove_checkpoint``, ``load_checkpoint``, ``setup_environment`` and ``teardown`` to these functions through the
+strategy's checkpointer.
 """
 # fork-feature: fork/fsdp-async-checkpoint.patch
 import logging
 import os
 import sys
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TYPE_CHECKING
 
 import torch
-from typing_extensions import override
 
 from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit, _shards_to_copy
 from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _piece_offsets
-from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
-from pytorch_lightning.strategies.fsdp_streaming_save import FSDPStreamingSaveMixin
+from pytorch_lightning.strategies.ddp import DDPStrategy
+from pytorch_lightning.strategies.fsdp_streaming_save import _write_streamed_units
 from pytorch_lightning.trainer.connectors.checkpoint_failures import _raise_on_every_rank_if_any_failed
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.checkpoint_errors import (
@@ -38,6 +38,9 @@ from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _gath
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.streamed_checkpoint_file import _committed_if_complete, _StreamedCheckpointFile
 from pytorch_lightning.utilities.types import _PATH
+
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
 
 log = logging.getLogger(__name__)
 
@@ -75,270 +78,255 @@ class _ShardCopies(NamedTuple):
     states: List[_StateShard]
 
 
-class FSDPAsyncCheckpointMixin(FSDPStreamingSaveMixin):
-    """Methods of ``DDPFullyShardedStrategy`` that write streamed checkpoints in the background."""
+def _wait_for_checkpoint(strategy: "DDPFullyShardedStrategy") -> None:
+    """``DDPFullyShardedStrategy.wait_for_checkpoint`` (see its docstring)."""
+    job = strategy._checkpoint_state.in_flight
+    if job is None:
+        return
+    # the job stays in flight until every rank knows how it ended: a ``KeyboardInterrupt`` up to then leaves it
+    # to ``_finish_checkpoint_in_flight_alone``
+    job.join()
+    group = _checkpoint_process_group(strategy)
+    # a rank whose writer thread failed inside a collective leaves the others' threads waiting in it until the
+    # background group's timeout: wait for them that long, and as long again for the exchange itself
+    extend = group is not None and hasattr(group, "set_timeout")
+    try:
+        if extend:
+            group.set_timeout(2 * _checkpoint_timeout())
+        _raise_on_every_rank_if_any_failed(
+            strategy.lightning_module.trainer,
+            job.error,
+            f"Saving the checkpoint to {str(job.filepath)!r} in the background",
+        )
+    except Exception:
+        strategy._checkpoint_state.in_flight = None
+        # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
+        # the next save makes a new one
+        _drop_background_process_group(strategy)
+        raise
+    finally:
+        if extend:
+            group.set_timeout(_checkpoint_timeout())
+    strategy._checkpoint_state.in_flight = None
+    strategy._checkpoint_state.host_copy_pool = job.copies
+    _remove_replaced_checkpoints(strategy, job)
+    job.run_after_commit()
 
-    def wait_for_checkpoint(self) -> None:
-        """Returns once the checkpoint being saved in the background (``async_checkpoint=True``) is committed, at
-        once if none is. This is a collective call: all ranks must call it.
 
-        ``Trainer.save_checkpoint`` calls it before each save (so at most one is in flight), ``Trainer.fit`` at its end,
-        and a load before it reads a checkpoint. Files that ``ModelCheckpoint`` removed while the save was in flight
-        (``save_top_k``, ``save_last``) are removed now, once their successor is on disk.
-
-        Raises:
-            CheckpointError: on every rank, if the save failed on any rank; the previous file at its path is intact.
-        """
-        job = self._checkpoint_state.in_flight
-        if job is None:
-            return
-        # the job stays in flight until every rank knows how it ended: a ``KeyboardInterrupt`` up to then leaves it
-        # to ``_finish_checkpoint_in_flight_alone``
-        job.join()
-        group = _checkpoint_process_group(self)
-        # a rank whose writer thread failed inside a collective leaves the others' threads waiting in it until the
-        # background group's timeout: wait for them that long, and as long again for the exchange itself
-        extend = group is not None and hasattr(group, "set_timeout")
+def _remove_replaced_checkpoints(strategy: "DDPFullyShardedStrategy", job: "_BackgroundSave") -> None:
+    """On global rank 0, remove the files ``remove_checkpoint`` was asked to remove while ``job`` was in flight,
+    if it was committed: a file that cannot be removed is logged, not raised (it is an old checkpoint)."""
+    if not job.committed:
+        return
+    for path in job.removals:
+        if str(path) == str(job.filepath):
+            continue
         try:
-            if extend:
-                group.set_timeout(2 * _checkpoint_timeout())
-            _raise_on_every_rank_if_any_failed(
-                self.lightning_module.trainer,
-                job.error, f"Saving the checkpoint to {str(job.filepath)!r} in the background"
-            )
-        except Exception:
-            self._checkpoint_state.in_flight = None
-            # every rank is here: a group whose collective failed (a timeout, a closed connection) is not used again,
-            # the next save makes a new one
-            self._drop_background_process_group()
-            raise
-        finally:
-            if extend:
-                group.set_timeout(_checkpoint_timeout())
-        self._checkpoint_state.in_flight = None
-        self._checkpoint_state.host_copy_pool = job.copies
-        self._remove_replaced_checkpoints(job)
-        job.run_after_commit()
+            DDPStrategy.remove_checkpoint(strategy, path)
+        except OSError as ex:
+            log.warning(f"Could not remove the replaced checkpoint {str(path)!r}: {ex}")
 
-    def _remove_replaced_checkpoints(self, job: "_BackgroundSave") -> None:
-        """On global rank 0, remove the files ``remove_checkpoint`` was asked to remove while ``job`` was in flight,
-        if it was committed: a file that cannot be removed is logged, not raised (it is an old checkpoint)."""
-        if not job.committed:
-            return
-        for path in job.removals:
-            if str(path) == str(job.filepath):
-                continue
-            try:
-                super().remove_checkpoint(path)
-            except OSError as ex:
-                log.warning(f"Could not remove the replaced checkpoint {str(path)!r}: {ex}")
 
-    @override
-    def _begin_checkpoint_save(
-        self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
-    ) -> _SaveSession:
-        # the save before this one first: at most one is in flight, and its failure is raised before a new one starts
-        self.wait_for_checkpoint()
-        return super()._begin_checkpoint_save(filepath, weights_only, storage_options)
-
-    @override
-    def _write_streamed_units(self, stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile]) -> None:
-        if not self._saves_in_background() or not _host_copies_fit(self, stream, writer):
-            return super()._write_streamed_units(stream, writer)
-        guard = _new_checkpoint_guard(self)
-        job: Optional[_BackgroundSave] = None
-        try:
+def _write_streamed_units_in_background(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile]
+) -> None:
+    """The units of a streamed save, written in the background where the save may be (see
+    :func:`_saves_in_background`) and the host copies fit; otherwise as a synchronous streamed save writes them."""
+    if not _saves_in_background(strategy) or not _host_copies_fit(strategy, stream, writer):
+        return _write_streamed_units(strategy, stream, writer)
+    guard = _new_checkpoint_guard(strategy)
+    job: Optional[_BackgroundSave] = None
+    try:
+        with guard.catch():
+            copies = _copy_shards(strategy, stream)
+        if guard.agree():
+            # collective, and it raises on every rank if it failed on any: made only once every rank has its copies
+            group = _background_process_group(strategy)
             with guard.catch():
-                copies = self._copy_shards(stream)
-            if guard.agree():
-                # collective, and it raises on every rank if it failed on any: made only once every rank has its copies
-                group = self._background_process_group()
-                with guard.catch():
-                    job = self._new_background_save(writer, group, copies)
-            failed_ranks = guard.settle()
-        except BaseException:
-            _abandon_start(job, writer)
-            raise
-        if failed_ranks:
-            # a step failed on some rank (host memory, "can't start new thread", ...): no rank's thread goes on, so
-            # that none waits in a gather for a peer that never sends
-            _abandon_start(job, writer)
-            guard.raise_if_failed()
-        assert job is not None
-        # in flight before its thread runs a collective: whatever runs next on this thread sees it
-        self._checkpoint_state.in_flight = job
-        job.launch()
+                job = _new_background_save(strategy, writer, group, copies)
+        failed_ranks = guard.settle()
+    except BaseException:
+        _abandon_start(job, writer)
+        raise
+    if failed_ranks:
+        # a step failed on some rank (host memory, "can't start new thread", ...): no rank's thread goes on, so
+        # that none waits in a gather for a peer that never sends
+        _abandon_start(job, writer)
+        guard.raise_if_failed()
+    assert job is not None
+    # in flight before its thread runs a collective: whatever runs next on this thread sees it
+    strategy._checkpoint_state.in_flight = job
+    job.launch()
 
-    def _background_process_group(self) -> Optional[Any]:
-        """The background threads' own gloo group, made at their first save; ``None`` on one process. Collective
-        when it is made: a process group must not be used by two threads at once, and the training thread keeps using
-        the checkpoint and FSDP groups."""
-        state = self._checkpoint_state
-        if self.world_size > 1 and state.background_group is None:
-            _hold_process_group(state, "background_group", _new_checkpoint_process_group(self))
-        return state.background_group
 
-    def _drop_background_process_group(self) -> None:
-        """Destroy the background threads' group (every rank is here): after a failed collective it is not used
-        again, and at the end of a stage it is not needed; the next background save makes a new one."""
-        _release_process_group(self._checkpoint_state, "background_group")
+def _background_process_group(strategy: "DDPFullyShardedStrategy") -> Optional[Any]:
+    """The background threads' own gloo group, made at their first save; ``None`` on one process. Collective
+    when it is made: a process group must not be used by two threads at once, and the training thread keeps using
+    the checkpoint and FSDP groups."""
+    state = strategy._checkpoint_state
+    if strategy.world_size > 1 and state.background_group is None:
+        _hold_process_group(state, "background_group", _new_checkpoint_process_group(strategy))
+    return state.background_group
 
-    def _new_background_save(
-        self,
-        writer: Optional[_StreamedCheckpointFile],
-        group: Optional[Any],
-        copies: "_ShardCopies",
-    ) -> "_BackgroundSave":
-        """A started :class:`_BackgroundSave` whose thread waits for :meth:`_BackgroundSave.launch`."""
-        event = None
-        if torch.cuda.is_available() and self.root_device.type == "cuda":
-            # the copies to pinned host memory were queued on the current stream: the thread waits for them
-            event = torch.cuda.Event()
-            event.record()
-        job = _BackgroundSave(self, self._checkpoint_state.session.filepath, writer, group, copies, event)
-        job.start()
-        return job
 
-    def _saves_in_background(self) -> bool:
-        """Whether this streamed save is written in the background; the same on every rank."""
-        if not self.async_checkpoint:
-            return False
-        state = self.lightning_module.trainer.state
-        closed = self._checkpoint_state.background_closed
-        if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or closed:
-            reason = (
-                "it is saved outside `Trainer.fit` (or after its teardown began), which waits for a save in flight"
-                " at its end"
-            )
-        elif self.world_size > 1 and _checkpoint_process_group(self) is None:
-            reason = "`PL_CHECKPOINT_GLOO_GROUP=0`: the background thread needs a gloo group of its own"
-        else:
-            return True
-        if reason != self._checkpoint_state.last_synchronous_reason:
-            self._checkpoint_state.last_synchronous_reason = reason
-            rank_zero_info(
-                f"`DDPFullyShardedStrategy(async_checkpoint=True)`: the checkpoint is saved synchronously, because {reason}."
-            )
+def _drop_background_process_group(strategy: "DDPFullyShardedStrategy") -> None:
+    """Destroy the background threads' group (every rank is here): after a failed collective it is not used
+    again, and at the end of a stage it is not needed; the next background save makes a new one."""
+    _release_process_group(strategy._checkpoint_state, "background_group")
+
+
+def _new_background_save(
+    strategy: "DDPFullyShardedStrategy",
+    writer: Optional[_StreamedCheckpointFile],
+    group: Optional[Any],
+    copies: "_ShardCopies",
+) -> "_BackgroundSave":
+    """A started :class:`_BackgroundSave` whose thread waits for :meth:`_BackgroundSave.launch`."""
+    event = None
+    if torch.cuda.is_available() and strategy.root_device.type == "cuda":
+        # the copies to pinned host memory were queued on the current stream: the thread waits for them
+        event = torch.cuda.Event()
+        event.record()
+    job = _BackgroundSave(strategy, strategy._checkpoint_state.session.filepath, writer, group, copies, event)
+    job.start()
+    return job
+
+
+def _saves_in_background(strategy: "DDPFullyShardedStrategy") -> bool:
+    """Whether this streamed save is written in the background; the same on every rank."""
+    if not strategy.async_checkpoint:
         return False
+    state = strategy.lightning_module.trainer.state
+    closed = strategy._checkpoint_state.background_closed
+    if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING or closed:
+        reason = (
+            "it is saved outside `Trainer.fit` (or after its teardown began), which waits for a save in flight"
+            " at its end"
+        )
+    elif strategy.world_size > 1 and _checkpoint_process_group(strategy) is None:
+        reason = "`PL_CHECKPOINT_GLOO_GROUP=0`: the background thread needs a gloo group of its own"
+    else:
+        return True
+    if reason != strategy._checkpoint_state.last_synchronous_reason:
+        strategy._checkpoint_state.last_synchronous_reason = reason
+        rank_zero_info(
+            f"`DDPFullyShardedStrategy(async_checkpoint=True)`: the checkpoint is saved synchronously, because {reason}."
+        )
+    return False
 
-    def _copy_shards(self, stream: _CheckpointStream) -> _ShardCopies:
-        """This rank's copies of its shards of the FSDP parameters and, unless the save is weights-only, of their
-        optimizer state, in the order the placeholders of ``stream`` were made; on global rank 0 with their places."""
-        # the copies of the previous save in the background, reused where they fit: allocating (and, on the CPU,
-        # faulting in) a shard-sized buffer per tensor costs more than the copy itself
-        pool = _HostCopies(self._checkpoint_state.host_copy_pool)
-        self._checkpoint_state.host_copy_pool = []
-        by_source: Dict[Tuple[int, int], List[torch.Tensor]] = {}
-        for key, source in stream.model_sources.items():
-            by_source.setdefault(source, []).append(stream.model[key])
-        flats, tensors = _shards_to_copy(self, stream.weights_only)
-        units = []
-        for flat in flats:
-            starts = _piece_offsets(flat)
-            pieces = [
-                (placeholder, starts[i], starts[i + 1])
-                for i in range(len(flat._param_numels))
-                for placeholder in by_source.get((id(flat), i), [])
-            ]
-            units.append(_UnitShard(pool.copy(_flat_shard(flat)), starts[-1], pieces))
-        states = [
-            _StateShard(pool.copy(value), numel, stream.optimizer_placeholders.get(key))
-            for key, value, numel in tensors
+
+def _copy_shards(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream) -> _ShardCopies:
+    """This rank's copies of its shards of the FSDP parameters and, unless the save is weights-only, of their
+    optimizer state, in the order the placeholders of ``stream`` were made; on global rank 0 with their places."""
+    # the copies of the previous save in the background, reused where they fit: allocating (and, on the CPU,
+    # faulting in) a shard-sized buffer per tensor costs more than the copy itself
+    pool = _HostCopies(strategy._checkpoint_state.host_copy_pool)
+    strategy._checkpoint_state.host_copy_pool = []
+    by_source: Dict[Tuple[int, int], List[torch.Tensor]] = {}
+    for key, source in stream.model_sources.items():
+        by_source.setdefault(source, []).append(stream.model[key])
+    flats, tensors = _shards_to_copy(strategy, stream.weights_only)
+    units = []
+    for flat in flats:
+        starts = _piece_offsets(flat)
+        pieces = [
+            (placeholder, starts[i], starts[i + 1])
+            for i in range(len(flat._param_numels))
+            for placeholder in by_source.get((id(flat), i), [])
         ]
-        return _ShardCopies(units, states)
+        units.append(_UnitShard(pool.copy(_flat_shard(flat)), starts[-1], pieces))
+    states = [
+        _StateShard(pool.copy(value), numel, stream.optimizer_placeholders.get(key)) for key, value, numel in tensors
+    ]
+    return _ShardCopies(units, states)
 
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        job = self._checkpoint_state.in_flight
-        if job is not None:
-            # until the save in flight is committed, this file may be the only complete checkpoint on disk
-            job.removals.append(filepath)
-            return
-        super().remove_checkpoint(filepath)
 
-    @override
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        self.wait_for_checkpoint()
-        return super().load_checkpoint(*args, **kwargs)
+def _defer_removal_while_in_flight(strategy: "DDPFullyShardedStrategy", filepath: _PATH) -> bool:
+    """Whether ``filepath`` is to be removed only once the save in flight is committed (then it is noted for it)."""
+    job = strategy._checkpoint_state.in_flight
+    if job is not None:
+        # until the save in flight is committed, this file may be the only complete checkpoint on disk
+        job.removals.append(filepath)
+        return True
+    return False
 
-    @override
-    def setup_environment(self) -> None:
-        # a new ``Trainer.fit`` (or another stage): saves may go to the background again until its teardown
-        self._checkpoint_state.background_closed = False
-        super().setup_environment()
 
-    @override
-    def teardown(self) -> None:
-        job = self._checkpoint_state.in_flight
-        trainer = getattr(self.lightning_module, "trainer", None)
-        # from here on nothing waits for a save in the background: ``on_fit_end`` and ``teardown`` hooks save
-        # synchronously
-        self._checkpoint_state.background_closed = True
-        try:
-            if job is not None and trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
-                # another error stops this rank, maybe alone: no collective, only this rank's part of the save
-                self._finish_checkpoint_in_flight_alone()
-            elif job is not None:
-                self.wait_for_checkpoint()
-        finally:
-            # the host copies kept for the next save in the background: there is none before the next fit
-            self._checkpoint_state.host_copy_pool = []
-            if job is None or not job.running():
-                # an abandoned save's threads still use the group until their next agreement
-                self._drop_background_process_group()
-            super().teardown()
+def _close_background_saves(strategy: "DDPFullyShardedStrategy", teardown: Callable[[], None]) -> None:
+    """At the end of a stage: wait for the save in flight (or finish this rank's part of it alone after an error),
+    then ``teardown``, the strategy's own."""
+    job = strategy._checkpoint_state.in_flight
+    trainer = getattr(strategy.lightning_module, "trainer", None)
+    # from here on nothing waits for a save in the background: ``on_fit_end`` and ``teardown`` hooks save
+    # synchronously
+    strategy._checkpoint_state.background_closed = True
+    try:
+        if job is not None and trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+            # another error stops this rank, maybe alone: no collective, only this rank's part of the save
+            _finish_checkpoint_in_flight_alone(strategy)
+        elif job is not None:
+            strategy.wait_for_checkpoint()
+    finally:
+        # the host copies kept for the next save in the background: there is none before the next fit
+        strategy._checkpoint_state.host_copy_pool = []
+        if job is None or not job.running():
+            # an abandoned save's threads still use the group until their next agreement
+            _drop_background_process_group(strategy)
+        teardown()
 
-    def _in_flight_checkpoint_path(self) -> Optional[_PATH]:
-        """The path of the checkpoint being saved in the background, ``None`` if none is."""
-        job = self._checkpoint_state.in_flight
-        return None if job is None else job.filepath
 
-    def _run_once_committed(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on this rank once the checkpoint being saved in the background is committed, in the
-        training thread (never if it fails); at once if none is in flight."""
-        job = self._checkpoint_state.in_flight
-        if job is None:
-            callback()
-        else:
-            job.after_commit.append(callback)
+def _in_flight_checkpoint_path(strategy: "DDPFullyShardedStrategy") -> Optional[_PATH]:
+    """The path of the checkpoint being saved in the background, ``None`` if none is."""
+    job = strategy._checkpoint_state.in_flight
+    return None if job is None else job.filepath
 
-    def _finish_checkpoint_in_flight_alone(self) -> None:
-        """Finish this rank's part of the save in flight without a collective, for a rank that stops with an error
-        or on ``KeyboardInterrupt``, maybe alone, and say how it ended. The background threads of the other ranks
-        go on with their own parts, so the save completes where every rank gets here; where a rank died it fails at
-        the background group's timeout. A second ``KeyboardInterrupt`` while waiting abandons the save: every
-        thread stops at its next agreement and the temporary file is removed."""
-        job = self._checkpoint_state.in_flight
-        if job is None:
-            return
-        path = str(job.filepath)
-        # the other ranks' threads run once every rank agreed to start: so does this one, if it was not let go yet
-        job.launch()
-        log.warning(f"Waiting for the checkpoint being saved to {path!r} in the background to be written.")
-        try:
-            job.join()
-        except KeyboardInterrupt:
-            job.abandon()
-            self._checkpoint_state.in_flight = None
-            # its thread may still use the group until its next agreement: the next save makes a new one
-            self._checkpoint_state.background_group = None
-            log.error(
-                f"The checkpoint being saved to {path!r} in the background was abandoned: unless it was complete"
-                " already, the file at that path is the previous one, and the files it was to replace are kept."
-            )
-            return
-        self._checkpoint_state.in_flight = None
-        self._checkpoint_state.host_copy_pool = []
-        self._drop_background_process_group()
-        self._remove_replaced_checkpoints(job)
-        if job.error is not None:
-            _note_on_current_exception(
-                f"The checkpoint being saved to {path!r} in the background failed too"
-                f" ({type(job.error).__name__}: {job.error}); the file at that path is the previous one."
-            )
-        elif self.is_global_zero:
-            log.warning(f"The checkpoint being saved to {path!r} in the background is committed.")
-            job.run_after_commit()
+
+def _run_once_committed(strategy: "DDPFullyShardedStrategy", callback: Callable[[], None]) -> None:
+    """Run ``callback`` on this rank once the checkpoint being saved in the background is committed, in the
+    training thread (never if it fails); at once if none is in flight."""
+    job = strategy._checkpoint_state.in_flight
+    if job is None:
+        callback()
+    else:
+        job.after_commit.append(callback)
+
+
+def _finish_checkpoint_in_flight_alone(strategy: "DDPFullyShardedStrategy") -> None:
+    """Finish this rank's part of the save in flight without a collective, for a rank that stops with an error
+    or on ``KeyboardInterrupt``, maybe alone, and say how it ended. The background threads of the other ranks
+    go on with their own parts, so the save completes where every rank gets here; where a rank died it fails at
+    the background group's timeout. A second ``KeyboardInterrupt`` while waiting abandons the save: every
+    thread stops at its next agreement and the temporary file is removed."""
+    job = strategy._checkpoint_state.in_flight
+    if job is None:
+        return
+    path = str(job.filepath)
+    # the other ranks' threads run once every rank agreed to start: so does this one, if it was not let go yet
+    job.launch()
+    log.warning(f"Waiting for the checkpoint being saved to {path!r} in the background to be written.")
+    try:
+        job.join()
+    except KeyboardInterrupt:
+        job.abandon()
+        strategy._checkpoint_state.in_flight = None
+        # its thread may still use the group until its next agreement: the next save makes a new one
+        strategy._checkpoint_state.background_group = None
+        log.error(
+            f"The checkpoint being saved to {path!r} in the background was abandoned: unless it was complete"
+            " already, the file at that path is the previous one, and the files it was to replace are kept."
+        )
+        return
+    strategy._checkpoint_state.in_flight = None
+    strategy._checkpoint_state.host_copy_pool = []
+    _drop_background_process_group(strategy)
+    _remove_replaced_checkpoints(strategy, job)
+    if job.error is not None:
+        _note_on_current_exception(
+            f"The checkpoint being saved to {path!r} in the background failed too"
+            f" ({type(job.error).__name__}: {job.error}); the file at that path is the previous one."
+        )
+    elif strategy.is_global_zero:
+        log.warning(f"The checkpoint being saved to {path!r} in the background is committed.")
+        job.run_after_commit()
 
 
 class _BackgroundSave:
@@ -353,7 +341,7 @@ class _BackgroundSave:
 
     def __init__(
         self,
-        strategy: FSDPAsyncCheckpointMixin,
+        strategy: "DDPFullyShardedStrategy",
         filepath: _PATH,
         writer: Optional[_StreamedCheckpointFile],
         group: Optional[Any],

@@ -3,7 +3,7 @@ a save copies the ranks' shards into host memory for the background, the ranks c
 copies they cannot reuse from the previous save (pinned copies as torch's pinned allocator rounds them), under each
 host's and each memory cgroup's bound together; if not, the save is synchronous (streamed), with a warning.
 
-The hook is ``FSDPAsyncCheckpointMixin._write_streamed_units``.
+The hook is :func:`~.fsdp_async_checkpoint._write_streamed_units_in_background`.
 """
 # fork-feature: fork/fsdp-async-checkpoint.patch
 from collections import Counter

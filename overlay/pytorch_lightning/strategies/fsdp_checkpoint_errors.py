@@ -2,17 +2,16 @@
 gathering the FSDP state dict does not desynchronise the ranks, and the ranks check that they have the host memory
 for the checkpoint before any of them gathers it.
 
-The hooks are ``DDPFullyShardedStrategy``'s base class and the call sites in ``setup`` and
+The hooks are ``DDPFullyShardedStrategy``'s checkpointer and the call sites in ``setup`` and
 ``lightning_module_state_dict``; ``CheckpointConnector.save_checkpoint`` raises the kept error on every rank.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TYPE_CHECKING
 
 import torch
 
 import pytorch_lightning as pl
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
-from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_guarded_gathers import (
     _agreeing_fairscale_collectives,
     _check_fairscale_interposable,
@@ -40,152 +39,159 @@ from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _Peer
 from pytorch_lightning.utilities.distributed import distributed_available
 from pytorch_lightning.utilities.host_memory import format_bytes, host_memory_bounds, MemoryBound, overcommitted_bound
 
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
+
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
 
-class FSDPCheckpointErrorsMixin(DDPStrategy):
-    """Methods of ``DDPFullyShardedStrategy`` that keep the ranks together when a checkpoint step fails on one."""
-
-    def _setup_checkpoint_process_group(self) -> None:
-        _check_fairscale_interposable()  # at setup, not in the middle of the first save
-        state = self._checkpoint_state
-        group = state.checkpoint_group
-        if group is not None:
-            # a later stage (every rank gets here, and every rank has a group): replace the group where a failed
-            # collective closed it on any rank, on every rank at once, since creating a group takes all of them
-            if self.reduce_boolean_decision(not isinstance(group, _ClosedCheckpointGroup)):
-                return
-            if isinstance(group, _ClosedCheckpointGroup):
-                state.checkpoint_group = None
-            else:
-                _release_process_group(state, "checkpoint_group")
-        # the group for the checkpoint failure-flag exchange, which waits for rank 0's writes as long as
-        # ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
-        _hold_process_group(state, "checkpoint_group", _new_checkpoint_process_group(self))
-
-    def _agree_on_checkpoint_arrival(self, action: str) -> None:
-        """Return once every rank has begun this checkpoint save, before any other collective of it. Collective.
-
-        The ranks all-gather one ``int32`` over the gloo checkpoint group, whose timeout is set to
-        ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` meanwhile (on torch builds without ``ProcessGroup.set_timeout`` it stays
-        ``PL_CHECKPOINT_TIMEOUT``). A rank cannot tell a rank that never calls the save from one that is late: both
-        are named in the error. With ``PL_CHECKPOINT_GLOO_GROUP=0`` nothing is exchanged: the save's first
-        collective waits as long as the default process group's timeout, as before.
-
-        Args:
-            action: what is being begun, naming the checkpoint path.
-
-        Raises:
-            CheckpointError: on the ranks that waited longer than that, and at once on a rank that arrives after they
-                gave up (they closed the group); the group is closed on these ranks until the next stage replaces it.
-        """
-        if not distributed_available() or self.world_size < 2:
+def _setup_checkpoint_process_group(strategy: "DDPFullyShardedStrategy") -> None:
+    _check_fairscale_interposable()  # at setup, not in the middle of the first save
+    state = strategy._checkpoint_state
+    group = state.checkpoint_group
+    if group is not None:
+        # a later stage (every rank gets here, and every rank has a group): replace the group where a failed
+        # collective closed it on any rank, on every rank at once, since creating a group takes all of them
+        if strategy.reduce_boolean_decision(not isinstance(group, _ClosedCheckpointGroup)):
             return
-        group = _checkpoint_process_group(self)
-        if group is None:
-            return
-        bounded = hasattr(group, "set_timeout")
-        waited = _checkpoint_arrival_timeout() if bounded else _checkpoint_timeout()
-        try:
-            if bounded:
-                group.set_timeout(waited)
-            _exchange_flags(self, 0, group=group)
-        except Exception as ex:
-            _close_checkpoint_process_group(self, f"the ranks did not all begin a checkpoint save ({action})")
-            raise _not_every_rank_began(action, type(self).__name__, waited, ex) from ex
+        if isinstance(group, _ClosedCheckpointGroup):
+            state.checkpoint_group = None
+        else:
+            _release_process_group(state, "checkpoint_group")
+    # the group for the checkpoint failure-flag exchange, which waits for rank 0's writes as long as
+    # ``PL_CHECKPOINT_TIMEOUT`` says, not as long as the default (NCCL) group's timeout
+    _hold_process_group(state, "checkpoint_group", _new_checkpoint_process_group(strategy))
+
+
+def _agree_on_checkpoint_arrival(strategy: "DDPFullyShardedStrategy", action: str) -> None:
+    """Return once every rank has begun this checkpoint save, before any other collective of it. Collective.
+
+    The ranks all-gather one ``int32`` over the gloo checkpoint group, whose timeout is set to
+    ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` meanwhile (on torch builds without ``ProcessGroup.set_timeout`` it stays
+    ``PL_CHECKPOINT_TIMEOUT``). A rank cannot tell a rank that never calls the save from one that is late: both
+    are named in the error. With ``PL_CHECKPOINT_GLOO_GROUP=0`` nothing is exchanged: the save's first
+    collective waits as long as the default process group's timeout, as before.
+
+    Args:
+        action: what is being begun, naming the checkpoint path.
+
+    Raises:
+        CheckpointError: on the ranks that waited longer than that, and at once on a rank that arrives after they
+            gave up (they closed the group); the group is closed on these ranks until the next stage replaces it.
+    """
+    if not distributed_available() or strategy.world_size < 2:
+        return
+    group = _checkpoint_process_group(strategy)
+    if group is None:
+        return
+    bounded = hasattr(group, "set_timeout")
+    waited = _checkpoint_arrival_timeout() if bounded else _checkpoint_timeout()
+    try:
         if bounded:
-            group.set_timeout(_checkpoint_timeout())
+            group.set_timeout(waited)
+        _exchange_flags(strategy, 0, group=group)
+    except Exception as ex:
+        _close_checkpoint_process_group(strategy, f"the ranks did not all begin a checkpoint save ({action})")
+        raise _not_every_rank_began(action, type(strategy).__name__, waited, ex) from ex
+    if bounded:
+        group.set_timeout(_checkpoint_timeout())
 
-    def _gather_full_state_dict(self, gather: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """``gather()``, FairScale's collective state-dict gather (to global rank 0 with
-        ``state_dict_on_rank_0_only=True``), or ``None`` where it failed on any rank.
 
-        First the ranks check that they have the host memory for what they will hold (see
-        :meth:`_check_host_memory_for_checkpoint`); if the ranks under one bound do not, no rank gathers anything.
-        Before each of FairScale's collectives the ranks agree that all of them can take part (see
-        :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`), so a failure on one rank, inside
-        FairScale's gather of a unit (allocating its full parameters) or in FairScale's state-dict hook (which copies
-        the unit's tensors), stops every rank before the next collective. The error is raised by
-        ``Trainer.save_checkpoint`` on every rank before anything is written (see
-        :meth:`~pytorch_lightning.strategies.fsdp_checkpoint_state._FSDPCheckpointState.record_error`).
-        """
-        modules = _fsdp_instances(self.lightning_module)
-        memory_error, short_ranks = self._check_host_memory_for_checkpoint(modules)
-        session = self._checkpoint_state.gathering_session()
-        if session is not None:
-            # read by ``optimizer_state``: then no rank consolidates the optimizer state of this save either
-            session.abandoned = bool(short_ranks)
-        if short_ranks:
-            # no rank gathers: a rank that ran out of host memory in the middle of the gather would be killed
-            if memory_error is not None:
-                self._checkpoint_state.record_error(memory_error)
-            elif session is None:
-                raise RuntimeError(
-                    f"The state dict was not gathered: global rank {short_ranks[0]} lacks the host memory for it."
-                )
-            return None
-        guard = _new_checkpoint_guard(self)
-        state_dict = None
-        with _catching_state_dict_hooks(modules, guard), _agreeing_fairscale_collectives(guard, self._process_group):
-            try:
-                with guard.catch():
-                    state_dict = gather()
-            except _PeerFailed:
-                pass  # another rank failed: this one stopped with it
-            finally:
-                _reset_interrupted_gathers(modules)
-        if self._checkpoint_state.abandon_if_failed(guard):
-            return None
-        return state_dict
+def _gather_full_state_dict(
+    strategy: "DDPFullyShardedStrategy", gather: Callable[[], Dict[str, Any]]
+) -> Optional[Dict[str, Any]]:
+    """``gather()``, FairScale's collective state-dict gather (to global rank 0 with
+    ``state_dict_on_rank_0_only=True``), or ``None`` where it failed on any rank.
 
-    def _check_host_memory_for_checkpoint(
-        self, modules: List["FullyShardedDataParallel"]
-    ) -> Tuple[Optional[MemoryError], List[int]]:
-        """Whether the ranks have the host memory for what they will hold while this checkpoint is gathered (see
-        :meth:`_host_memory_needed`): a ``MemoryError`` on the ranks under a bound that they need more than,
-        ``None`` on the others, and the global ranks under it (none if every rank has enough). Collective.
-        """
-        if not modules:
-            return None, []
-        short = _host_memory_shortfall(self, *self._host_memory_needed(modules))
-        if short is None:
-            return None, []
-        if self.global_rank not in short.ranks:
-            return None, short.ranks
-        return (
-            MemoryError(
-                f"Gathering the checkpoint needs about {format_bytes(short.needed)} of host memory ({short.held}), but"
-                f" {short.bound.description} has only {format_bytes(short.bound.available)} available."
-            ),
-            short.ranks,
-        )
+    First the ranks check that they have the host memory for what they will hold (see
+    :meth:`_check_host_memory_for_checkpoint`); if the ranks under one bound do not, no rank gathers anything.
+    Before each of FairScale's collectives the ranks agree that all of them can take part (see
+    :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`), so a failure on one rank, inside
+    FairScale's gather of a unit (allocating its full parameters) or in FairScale's state-dict hook (which copies
+    the unit's tensors), stops every rank before the next collective. The error is raised by
+    ``Trainer.save_checkpoint`` on every rank before anything is written (see
+    :meth:`~pytorch_lightning.strategies.fsdp_checkpoint_state._FSDPCheckpointState.record_error`).
+    """
+    modules = _fsdp_instances(strategy.lightning_module)
+    memory_error, short_ranks = _check_host_memory_for_checkpoint(strategy, modules)
+    session = strategy._checkpoint_state.gathering_session()
+    if session is not None:
+        # read by ``optimizer_state``: then no rank consolidates the optimizer state of this save either
+        session.abandoned = bool(short_ranks)
+    if short_ranks:
+        # no rank gathers: a rank that ran out of host memory in the middle of the gather would be killed
+        if memory_error is not None:
+            strategy._checkpoint_state.record_error(memory_error)
+        elif session is None:
+            raise RuntimeError(
+                f"The state dict was not gathered: global rank {short_ranks[0]} lacks the host memory for it."
+            )
+        return None
+    guard = _new_checkpoint_guard(strategy)
+    state_dict = None
+    with _catching_state_dict_hooks(modules, guard), _agreeing_fairscale_collectives(guard, strategy._process_group):
+        try:
+            with guard.catch():
+                state_dict = gather()
+        except _PeerFailed:
+            pass  # another rank failed: this one stopped with it
+        finally:
+            _reset_interrupted_gathers(modules)
+    if strategy._checkpoint_state.abandon_if_failed(guard):
+        return None
+    return state_dict
 
-    def _host_memory_needed(self, modules: List["FullyShardedDataParallel"]) -> Tuple[int, str]:
-        """The bytes of host memory this rank will hold while the checkpoint is gathered, and what for.
 
-        - The full state dict, on the ranks that keep it (global rank 0, or every rank with
-          ``state_dict_on_rank_0_only=False``), when it is gathered to the CPU (``state_dict_to_cpu=True``): every
-          FSDP parameter at its full size, in full precision, and the buffers inside FSDP. The other tensors are in
-          the state dict as they are, not copied.
-        - While ``Trainer.save_checkpoint`` saves more than the weights, on global rank 0: the optimizer state
-          consolidated there, every state tensor of an FSDP parameter at the parameter's full size, which is twice the
-          model with Adam.
-        """
-        needed, held = 0, []
-        if not self.state_dict_on_rank_0_only or self.global_rank == 0:
-            if all(m.state_dict_device.type == "cpu" for m in modules):
-                state_dict = _full_state_dict_bytes(modules)
-                needed += state_dict
-                held.append(f"the state dict, {format_bytes(state_dict)}")
-        session = self._checkpoint_state.gathering_session()
-        saving_optimizers = session is not None and not session.weights_only
-        if saving_optimizers and self.global_rank == 0:
-            optimizer_states = _consolidated_optimizer_state_bytes(self.optimizers, modules)
-            needed += optimizer_states
-            held.append(f"the consolidated optimizer state, {format_bytes(optimizer_states)}")
-        return needed, " and ".join(held) or "nothing"
+def _check_host_memory_for_checkpoint(
+    strategy: "DDPFullyShardedStrategy", modules: List["FullyShardedDataParallel"]
+) -> Tuple[Optional[MemoryError], List[int]]:
+    """Whether the ranks have the host memory for what they will hold while this checkpoint is gathered (see
+    :meth:`_host_memory_needed`): a ``MemoryError`` on the ranks under a bound that they need more than,
+    ``None`` on the others, and the global ranks under it (none if every rank has enough). Collective.
+    """
+    if not modules:
+        return None, []
+    short = _host_memory_shortfall(strategy, *_host_memory_needed(strategy, modules))
+    if short is None:
+        return None, []
+    if strategy.global_rank not in short.ranks:
+        return None, short.ranks
+    return (
+        MemoryError(
+            f"Gathering the checkpoint needs about {format_bytes(short.needed)} of host memory ({short.held}), but"
+            f" {short.bound.description} has only {format_bytes(short.bound.available)} available."
+        ),
+        short.ranks,
+    )
 
+
+def _host_memory_needed(
+    strategy: "DDPFullyShardedStrategy", modules: List["FullyShardedDataParallel"]
+) -> Tuple[int, str]:
+    """The bytes of host memory this rank will hold while the checkpoint is gathered, and what for.
+
+    - The full state dict, on the ranks that keep it (global rank 0, or every rank with
+      ``state_dict_on_rank_0_only=False``), when it is gathered to the CPU (``state_dict_to_cpu=True``): every
+      FSDP parameter at its full size, in full precision, and the buffers inside FSDP. The other tensors are in
+      the state dict as they are, not copied.
+    - While ``Trainer.save_checkpoint`` saves more than the weights, on global rank 0: the optimizer state
+      consolidated there, every state tensor of an FSDP parameter at the parameter's full size, which is twice the
+      model with Adam.
+    """
+    needed, held = 0, []
+    if not strategy.state_dict_on_rank_0_only or strategy.global_rank == 0:
+        if all(m.state_dict_device.type == "cpu" for m in modules):
+            state_dict = _full_state_dict_bytes(modules)
+            needed += state_dict
+            held.append(f"the state dict, {format_bytes(state_dict)}")
+    session = strategy._checkpoint_state.gathering_session()
+    saving_optimizers = session is not None and not session.weights_only
+    if saving_optimizers and strategy.global_rank == 0:
+        optimizer_states = _consolidated_optimizer_state_bytes(strategy.optimizers, modules)
+        needed += optimizer_states
+        held.append(f"the consolidated optimizer state, {format_bytes(optimizer_states)}")
+    return needed, " and ".join(held) or "nothing"
 
 
 def _new_checkpoint_guard(strategy: "pl.strategies.DDPFullyShardedStrategy") -> _CollectiveGuard:

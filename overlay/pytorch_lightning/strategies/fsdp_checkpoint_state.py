@@ -1,9 +1,10 @@
 """The state of ``DDPFullyShardedStrategy``'s checkpoints, as explicit values: :class:`_FSDPCheckpointState`, made
-with the strategy, holds what outlives one save (the fork's process groups, the save in flight, what was last logged);
-:class:`_SaveSession`, made by each ``Trainer.save_checkpoint``, holds what one save learns on its way.
+with the strategy's checkpointer (``_FSDPCheckpointer``, which owns it), holds what outlives one save (the fork's
+process groups, the save in flight, what was last logged); :class:`_SaveSession`, made by each
+``Trainer.save_checkpoint``, holds what one save learns on its way.
 
-The hook is ``DDPFullyShardedStrategy.__init__``; ``CheckpointConnector.save_checkpoint`` marks when the session
-gathers the state.
+The hook is ``DDPFullyShardedStrategy.__init__``, which makes the checkpointer; ``CheckpointConnector.save_checkpoint``
+marks when the session gathers the state.
 """
 # fork-feature: fork/fsdp-streaming-save.patch
 from contextlib import contextmanager

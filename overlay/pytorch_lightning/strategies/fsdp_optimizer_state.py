@@ -1,17 +1,16 @@
 """Consolidated FSDP optimizer state: ``DDPFullyShardedStrategy`` saves the full optimizer state, gathered onto
 global rank 0 one FSDP instance at a time, in FairScale's format, and re-shards it on load for any world size.
 
-The hooks are ``DDPFullyShardedStrategy``'s base class and ``configure_ddp``, which checks the layout.
+The hooks are ``DDPFullyShardedStrategy``'s ``optimizer_state`` and ``load_optimizer_state_dict`` (through its base
+class and checkpointer) and ``configure_ddp``, which checks the layout.
 """
 # fork-feature: fork/fsdp-consolidated-optimizer-state.patch
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TYPE_CHECKING
 
 import torch
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
-from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.utilities.apply_func import apply_to_collection
 from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives
@@ -25,215 +24,193 @@ if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
 if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
     from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 
 
-class FSDPOptimizerStateMixin(DDPStrategy):
-    """Methods of ``DDPFullyShardedStrategy`` that save and load the consolidated optimizer state."""
+def _optimizer_state_layout_of(strategy: "DDPFullyShardedStrategy") -> str:
+    """How :meth:`optimizer_state` saves the optimizer state of the LightningModule.
 
-    def _optimizer_state_layout(self) -> str:
-        """How :meth:`optimizer_state` saves the optimizer state of the LightningModule.
+    - ``"replicated"``: no FSDP instance, nothing is sharded; rank 0's state is the full state.
+    - ``"consolidated"``: the state of the FSDP parameters is consolidated on rank 0 in FairScale's format, one
+      outermost FSDP instance at a time; the state of replicated parameters is saved from rank 0. Any number of
+      param groups and any parameter order work, and the checkpoint can be resumed on any number of processes.
+    - ``"per_rank"``: FairScale's format needs ``flatten_parameters=True``. Without it, every rank's local state
+      is saved as it is, so the checkpoint resumes exactly but only on the same number of processes.
+    """
+    return _optimizer_state_layout(_fsdp_instances(strategy.lightning_module))
 
-        - ``"replicated"``: no FSDP instance, nothing is sharded; rank 0's state is the full state.
-        - ``"consolidated"``: the state of the FSDP parameters is consolidated on rank 0 in FairScale's format, one
-          outermost FSDP instance at a time; the state of replicated parameters is saved from rank 0. Any number of
-          param groups and any parameter order work, and the checkpoint can be resumed on any number of processes.
-        - ``"per_rank"``: FairScale's format needs ``flatten_parameters=True``. Without it, every rank's local state
-          is saved as it is, so the checkpoint resumes exactly but only on the same number of processes.
-        """
-        return _optimizer_state_layout(_fsdp_instances(self.lightning_module))
 
-    def _check_optimizer_state_layout(self) -> None:
-        if self.optimizers and self._optimizer_state_layout() == "per_rank":
-            rank_zero_warn(
-                "`DDPFullyShardedStrategy` can consolidate the optimizer state only with `flatten_parameters=True`."
-                " Checkpoints will hold every rank's own optimizer state instead, so they can be resumed exactly,"
-                " but only with the same number of processes."
-            )
+def _check_optimizer_state_layout(strategy: "DDPFullyShardedStrategy") -> None:
+    if strategy.optimizers and _optimizer_state_layout_of(strategy) == "per_rank":
+        rank_zero_warn(
+            "`DDPFullyShardedStrategy` can consolidate the optimizer state only with `flatten_parameters=True`."
+            " Checkpoints will hold every rank's own optimizer state instead, so they can be resumed exactly,"
+            " but only with the same number of processes."
+        )
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """Returns the full state of ``optimizer`` on global rank 0, and an empty dict elsewhere.
 
-        Each rank holds the optimizer state of its own shard of the FSDP parameters only. The shards are gathered
-        onto global rank 0 one FSDP instance at a time, so no other rank ever holds the full optimizer state. This
-        is a collective call: all ranks must call it.
-
-        The checkpoint holds, under ``"fsdp_roots"``, the consolidated state of each outermost FSDP instance in the
-        format of FairScale's ``gather_full_optim_state_dict`` (one entry per original parameter, so it can be
-        resumed with a different number of processes), under ``"fsdp_root_param_ids"`` which optimizer parameter
-        each flat parameter is, under ``"state"`` the state of the replicated parameters (those outside FSDP, the
-        same on every rank), and the optimizer's ``"param_groups"``. With ``flatten_parameters=False`` every rank's
-        local state is saved under ``"fsdp_per_rank"`` instead (see ``_optimizer_state_layout``). A LightningModule
-        without FSDP instances saves its optimizer state as is.
-
-        Args:
-            optimizer: the optimizer whose state is saved.
-        """
-        stream = self._checkpoint_state.active_stream()
-        if stream is not None:
-            # gathered later, while the checkpoint is written: placeholders stand for the FSDP parameters' state
-            if self.global_rank != 0:
-                return _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
-            return _streamed_optimizer_state(optimizer, stream, _outermost_fsdp_instances(self.lightning_module))
-        session = self._checkpoint_state.gathering_session()
-        if session is not None and session.abandoned:
-            # this save already failed on every rank (a rank lacks the host memory for it, or a gather failed on one,
-            # see ``lightning_module_state_dict``), so none of them consolidates anything either
+def _optimizer_state(strategy: "DDPFullyShardedStrategy", optimizer: Optimizer) -> Dict[str, Any]:
+    """``DDPFullyShardedStrategy.optimizer_state`` (see its docstring)."""
+    stream = strategy._checkpoint_state.active_stream()
+    if stream is not None:
+        # gathered later, while the checkpoint is written: placeholders stand for the FSDP parameters' state
+        if strategy.global_rank != 0:
+            return _optimizer_state_off_rank_zero(optimizer, strategy.state_dict_on_rank_0_only)
+        return _streamed_optimizer_state(optimizer, stream, _outermost_fsdp_instances(strategy.lightning_module))
+    session = strategy._checkpoint_state.gathering_session()
+    if session is not None and session.abandoned:
+        # this save already failed on every rank (a rank lacks the host memory for it, or a gather failed on one,
+        # see ``lightning_module_state_dict``), so none of them consolidates anything either
+        return {}
+    layout = _optimizer_state_layout_of(strategy)
+    state = optimizer.state_dict()
+    if layout == "replicated":
+        return {} if strategy.state_dict_on_rank_0_only and strategy.global_rank != 0 else state
+    guard = _new_checkpoint_guard(strategy)
+    if layout == "per_rank":
+        local_states = _gather_local_optimizer_states(strategy, state, guard)
+        if strategy._checkpoint_state.abandon_if_failed(guard):
             return {}
-        layout = self._optimizer_state_layout()
-        state = optimizer.state_dict()
-        if layout == "replicated":
-            return {} if self.state_dict_on_rank_0_only and self.global_rank != 0 else state
-        guard = _new_checkpoint_guard(self)
-        if layout == "per_rank":
-            local_states = self._gather_local_optimizer_states(state, guard)
-            if self._checkpoint_state.abandon_if_failed(guard):
-                return {}
-            return local_states or _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
-        return self._consolidated_optimizer_state(optimizer, state, guard)
+        return local_states or _optimizer_state_off_rank_zero(optimizer, strategy.state_dict_on_rank_0_only)
+    return _consolidated_optimizer_state(strategy, optimizer, state, guard)
 
-    def _consolidated_optimizer_state(
-        self, optimizer: Optimizer, state: Dict[str, Any], guard: _CollectiveGuard
-    ) -> Dict[str, Any]:
-        """The ``"consolidated"`` layout of :meth:`optimizer_state` on global rank 0 (``state`` is
-        ``optimizer.state_dict()``). Collective."""
-        # FairScale converts tensor ``step`` entries to ints in place; a shallow copy of each per-parameter dict
-        # keeps the live optimizer state untouched (Adam needs its ``step`` to stay a tensor).
-        state["state"] = {key: dict(value) for key, value in state["state"].items()}
-        roots = _outermost_fsdp_instances(self.lightning_module)
-        root_param_ids = _optimizer_root_param_ids(optimizer, roots)
-        consolidated = [
-            self._consolidate_optimizer_state(root, _root_optimizer_state(state, param_ids), guard)
-            for root, param_ids in zip(roots, root_param_ids)
-        ]
-        if self._checkpoint_state.abandon_if_failed(guard):
-            # every rank stopped at the same collective: raised by ``Trainer.save_checkpoint`` on every rank
-            return {}
-        if self.global_rank != 0:
-            return _optimizer_state_off_rank_zero(optimizer, self.state_dict_on_rank_0_only)
-        return _checkpointed_optimizer_state(state, consolidated, root_param_ids)
 
-    def _consolidate_optimizer_state(
-        self, root: "FullyShardedDataParallel", state: Dict[str, Any], guard: _CollectiveGuard
-    ) -> Optional[Dict[str, Any]]:
-        if guard.stopped:
+def _consolidated_optimizer_state(
+    strategy: "DDPFullyShardedStrategy", optimizer: Optimizer, state: Dict[str, Any], guard: _CollectiveGuard
+) -> Dict[str, Any]:
+    """The ``"consolidated"`` layout of :meth:`optimizer_state` on global rank 0 (``state`` is
+    ``optimizer.state_dict()``). Collective."""
+    # FairScale converts tensor ``step`` entries to ints in place; a shallow copy of each per-parameter dict
+    # keeps the live optimizer state untouched (Adam needs its ``step`` to stay a tensor).
+    state["state"] = {key: dict(value) for key, value in state["state"].items()}
+    roots = _outermost_fsdp_instances(strategy.lightning_module)
+    root_param_ids = _optimizer_root_param_ids(optimizer, roots)
+    consolidated = [
+        _consolidate_optimizer_state(strategy, root, _root_optimizer_state(state, param_ids), guard)
+        for root, param_ids in zip(roots, root_param_ids)
+    ]
+    if strategy._checkpoint_state.abandon_if_failed(guard):
+        # every rank stopped at the same collective: raised by ``Trainer.save_checkpoint`` on every rank
+        return {}
+    if strategy.global_rank != 0:
+        return _optimizer_state_off_rank_zero(optimizer, strategy.state_dict_on_rank_0_only)
+    return _checkpointed_optimizer_state(state, consolidated, root_param_ids)
+
+
+def _consolidate_optimizer_state(
+    strategy: "DDPFullyShardedStrategy",
+    root: "FullyShardedDataParallel",
+    state: Dict[str, Any],
+    guard: _CollectiveGuard,
+) -> Optional[Dict[str, Any]]:
+    if guard.stopped:
+        return None
+    instances = _fsdp_instances(root)
+    with _agreeing_fairscale_collectives(guard, root.process_group):
+        try:
+            if root.world_size > 1 and any(m.no_broadcast_optim_state for m in instances):
+                return root.gather_full_optim_state_dict(_StateDictProvider(state))
+            return _gather_full_optimizer_state(root, state, guard)
+        except _PeerFailed:
             return None
-        instances = _fsdp_instances(root)
-        with _agreeing_fairscale_collectives(guard, root.process_group):
-            try:
-                if root.world_size > 1 and any(m.no_broadcast_optim_state for m in instances):
-                    return root.gather_full_optim_state_dict(_StateDictProvider(state))
-                return _gather_full_optimizer_state(root, state, guard)
-            except _PeerFailed:
-                return None
-            except Exception as ex:
-                guard.record(ex)
-                return None
+        except Exception as ex:
+            guard.record(ex)
+            return None
 
-    def _gather_local_optimizer_states(self, state: Dict[str, Any], guard: _CollectiveGuard) -> Dict[str, Any]:
-        """Every rank's local optimizer state, on the CPU of global rank 0, received one rank at a time.
 
-        The states travel pickled, as CPU tensors, over the gloo group of all ranks that the strategy has for
-        checkpoints (see ``PL_CHECKPOINT_GLOO_GROUP``): over NCCL, every pickled state would be staged in GPU memory
-        and every pair of ranks would get a communicator of its own. Without that group (``PL_CHECKPOINT_GLOO_GROUP=0``)
-        they go over the default process group.
-        """
-        local = None
-        with guard.catch():
-            local = apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu())
-        if self.world_size == 1:
-            return {"fsdp_per_rank": [local]} if local is not None else {}
-        group = _checkpoint_process_group(self)
-        states = [local]
-        for src in range(1, self.world_size):
-            if not guard.agree():
-                return {}
-            if self.global_rank == src:
-                torch.distributed.send_object_list([local], dst=0, group=group)
-            elif self.global_rank == 0:
-                received: List[Any] = [None]
-                torch.distributed.recv_object_list(received, src=src, group=group)
-                states.append(received[0])
-        return {"fsdp_per_rank": states} if self.global_rank == 0 else {}
+def _gather_local_optimizer_states(
+    strategy: "DDPFullyShardedStrategy", state: Dict[str, Any], guard: _CollectiveGuard
+) -> Dict[str, Any]:
+    """Every rank's local optimizer state, on the CPU of global rank 0, received one rank at a time.
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Loads each rank's part of the optimizer state saved by :meth:`optimizer_state`.
+    The states travel pickled, as CPU tensors, over the gloo group of all ranks that the strategy has for
+    checkpoints (see ``PL_CHECKPOINT_GLOO_GROUP``): over NCCL, every pickled state would be staged in GPU memory
+    and every pair of ranks would get a communicator of its own. Without that group (``PL_CHECKPOINT_GLOO_GROUP=0``)
+    they go over the default process group.
+    """
+    local = None
+    with guard.catch():
+        local = apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu())
+    if strategy.world_size == 1:
+        return {"fsdp_per_rank": [local]} if local is not None else {}
+    group = _checkpoint_process_group(strategy)
+    states = [local]
+    for src in range(1, strategy.world_size):
+        if not guard.agree():
+            return {}
+        if strategy.global_rank == src:
+            torch.distributed.send_object_list([local], dst=0, group=group)
+        elif strategy.global_rank == 0:
+            received: List[Any] = [None]
+            torch.distributed.recv_object_list(received, src=src, group=group)
+            states.append(received[0])
+    return {"fsdp_per_rank": states} if strategy.global_rank == 0 else {}
 
-        A consolidated state is re-sharded for the current world size, which may differ from the one it was saved
-        with. A per-rank state (``flatten_parameters=False``) needs the same world size. The state is placed on the
-        device of its parameter, so FSDP's ``cpu_offload`` keeps it on the CPU.
 
-        Checkpoints written by Lightning <= 1.6.5 hold only global rank 0's shard of the optimizer state. Their
-        per-parameter state (e.g. Adam's moments, SGD's momentum) cannot be restored and is left freshly
-        initialized, with a warning; the param group hyperparameters (e.g. the learning rate) are restored.
-
-        Args:
-            checkpoint: the loaded checkpoint, whose ``"optimizer_states"`` hold what :meth:`optimizer_state` saved.
-
-        Raises:
-            MisconfigurationException:
-                If the checkpoint's optimizer state does not fit the LightningModule's FSDP layout or processes.
-        """
-        layout = self._optimizer_state_layout()
-        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if "fsdp_per_rank" in opt_state:
-                saved = opt_state["fsdp_per_rank"]
-                if len(saved) != self.world_size:
-                    raise MisconfigurationException(
-                        f"The checkpoint holds the optimizer state of each of {len(saved)} processes separately,"
-                        " because it was saved with `flatten_parameters=False`, which FairScale cannot consolidate."
-                        f" It can only be resumed with {len(saved)} processes, not {self.world_size}."
-                    )
-                optimizer.load_state_dict(saved[self.global_rank])
-            elif layout == "replicated":
-                if "fsdp_roots" in opt_state or "param_id_map" in opt_state:
-                    raise MisconfigurationException(
-                        "The checkpoint holds the optimizer state of FSDP instances, but the LightningModule has none."
-                        " Wrap the model as it was wrapped when the checkpoint was saved."
-                    )
-                optimizer.load_state_dict(opt_state)
-            elif _is_rank_zero_shard(opt_state):
-                _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
-            elif layout == "per_rank":
+def _load_optimizer_state_dict(strategy: "DDPFullyShardedStrategy", checkpoint: Mapping[str, Any]) -> None:
+    """``DDPFullyShardedStrategy.load_optimizer_state_dict`` (see its docstring)."""
+    layout = _optimizer_state_layout_of(strategy)
+    for optimizer, opt_state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
+        if "fsdp_per_rank" in opt_state:
+            saved = opt_state["fsdp_per_rank"]
+            if len(saved) != strategy.world_size:
                 raise MisconfigurationException(
-                    "The checkpoint holds a consolidated optimizer state, which FairScale can only re-shard with"
-                    " `flatten_parameters=True`, but the LightningModule has FSDP instances with"
-                    " `flatten_parameters=False`."
+                    f"The checkpoint holds the optimizer state of each of {len(saved)} processes separately,"
+                    " because it was saved with `flatten_parameters=False`, which FairScale cannot consolidate."
+                    f" It can only be resumed with {len(saved)} processes, not {strategy.world_size}."
                 )
-            else:
-                optimizer.load_state_dict(self._reshard_optimizer_state(optimizer, opt_state))
-
-    def _reshard_optimizer_state(self, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> Dict[str, Any]:
-        """This rank's local ``optimizer.state_dict()`` from a consolidated state (see :meth:`optimizer_state`)."""
-        roots = _outermost_fsdp_instances(self.lightning_module)
-        root_param_ids = _optimizer_root_param_ids(optimizer, roots)
-        if "fsdp_root_param_ids" in opt_state:
-            saved_roots = opt_state["fsdp_roots"]
-            saved_ids = opt_state["fsdp_root_param_ids"]
-            param_groups, state = opt_state["param_groups"], dict(opt_state["state"])
-        else:
-            # written by earlier versions of this strategy: one param group holding exactly the flat parameters of
-            # the outermost FSDP instances, one instance after the other (several of them under ``fsdp_roots``)
-            saved_roots = opt_state.get("fsdp_roots", [opt_state])
-            saved_ids, offset = [], 0
-            for root in roots:
-                count = len(list(root.parameters()))
-                saved_ids.append(list(range(offset, offset + count)))
-                offset += count
-            param_groups, state = [dict(saved_roots[0]["param_groups"][0], params=list(range(offset)))], {}
-        if len(saved_roots) != len(roots) or [list(ids) for ids in saved_ids] != root_param_ids:
+            optimizer.load_state_dict(saved[strategy.global_rank])
+        elif layout == "replicated":
+            if "fsdp_roots" in opt_state or "param_id_map" in opt_state:
+                raise MisconfigurationException(
+                    "The checkpoint holds the optimizer state of FSDP instances, but the LightningModule has none."
+                    " Wrap the model as it was wrapped when the checkpoint was saved."
+                )
+            optimizer.load_state_dict(opt_state)
+        elif _is_rank_zero_shard(opt_state):
+            _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
+        elif layout == "per_rank":
             raise MisconfigurationException(
-                f"The checkpoint holds the optimizer state of {len(saved_roots)} outermost FSDP instances with"
-                f" flat parameters {saved_ids} (as indices into the optimizer), but the LightningModule has"
-                f" {len(roots)} with {root_param_ids}. Wrap the model and create the optimizer as they were when"
-                " the checkpoint was saved."
+                "The checkpoint holds a consolidated optimizer state, which FairScale can only re-shard with"
+                " `flatten_parameters=True`, but the LightningModule has FSDP instances with"
+                " `flatten_parameters=False`."
             )
-        for root, saved, param_ids in zip(roots, saved_roots, saved_ids):
-            for local_id, buffers in _shard_optimizer_state(root, saved)["state"].items():
-                state[param_ids[local_id]] = buffers
-        return {"state": state, "param_groups": param_groups}
+        else:
+            optimizer.load_state_dict(_reshard_optimizer_state(strategy, optimizer, opt_state))
+
+
+def _reshard_optimizer_state(
+    strategy: "DDPFullyShardedStrategy", optimizer: Optimizer, opt_state: Mapping[str, Any]
+) -> Dict[str, Any]:
+    """This rank's local ``optimizer.state_dict()`` from a consolidated state (see :meth:`optimizer_state`)."""
+    roots = _outermost_fsdp_instances(strategy.lightning_module)
+    root_param_ids = _optimizer_root_param_ids(optimizer, roots)
+    if "fsdp_root_param_ids" in opt_state:
+        saved_roots = opt_state["fsdp_roots"]
+        saved_ids = opt_state["fsdp_root_param_ids"]
+        param_groups, state = opt_state["param_groups"], dict(opt_state["state"])
+    else:
+        # written by earlier versions of this strategy: one param group holding exactly the flat parameters of
+        # the outermost FSDP instances, one instance after the other (several of them under ``fsdp_roots``)
+        saved_roots = opt_state.get("fsdp_roots", [opt_state])
+        saved_ids, offset = [], 0
+        for root in roots:
+            count = len(list(root.parameters()))
+            saved_ids.append(list(range(offset, offset + count)))
+            offset += count
+        param_groups, state = [dict(saved_roots[0]["param_groups"][0], params=list(range(offset)))], {}
+    if len(saved_roots) != len(roots) or [list(ids) for ids in saved_ids] != root_param_ids:
+        raise MisconfigurationException(
+            f"The checkpoint holds the optimizer state of {len(saved_roots)} outermost FSDP instances with"
+            f" flat parameters {saved_ids} (as indices into the optimizer), but the LightningModule has"
+            f" {len(roots)} with {root_param_ids}. Wrap the model and create the optimizer as they were when"
+            " the checkpoint was saved."
+        )
+    for root, saved, param_ids in zip(roots, saved_roots, saved_ids):
+        for local_id, buffers in _shard_optimizer_state(root, saved)["state"].items():
+            state[param_ids[local_id]] = buffers
+    return {"state": state, "param_groups": param_groups}
 
 
 def _optimizer_root_param_ids(
@@ -301,7 +278,7 @@ def _streamed_root_optimizer_state(
 def _checkpointed_optimizer_state(
     state: Dict[str, Any], consolidated: List[Any], root_param_ids: List[List[Optional[int]]]
 ) -> Dict[str, Any]:
-    """What the checkpoint holds of an optimizer (see :meth:`FSDPOptimizerStateMixin.optimizer_state`): the state of
+    """What the checkpoint holds of an optimizer (see ``DDPFullyShardedStrategy.optimizer_state``): the state of
     the replicated parameters from ``state`` (``optimizer.state_dict()``), the param groups, and the ``consolidated``
     state of each outermost FSDP instance with its flat parameters' indices into the optimizer."""
     sharded = {i for param_ids in root_param_ids for i in param_ids if i is not None}
@@ -330,7 +307,7 @@ def _load_hyperparameters_of_rank_zero_shard(optimizer: Optimizer, opt_state: Ma
 
 def _optimizer_state_layout(instances: List["FullyShardedDataParallel"]) -> str:
     """How the optimizer state of a LightningModule with the FSDP instances ``instances`` is saved (see
-    :meth:`FSDPOptimizerStateMixin._optimizer_state_layout`)."""
+    :func:`_optimizer_state_layout_of`)."""
     if not instances:
         return "replicated"
     return "consolidated" if all(m.flatten_parameters for m in instances) else "per_rank"

@@ -4,12 +4,12 @@ state hold placeholders (``FakeTensor``) for the FSDP parameters and their optim
 gathered save writes.
 
 The hooks are ``DDPFullyShardedStrategy``'s ``stream_checkpoint`` argument and ``lightning_module_state_dict``,
-and ``CheckpointConnector.save_checkpoint``, which calls :meth:`FSDPStreamDecisionMixin._begin_checkpoint_save`.
+and ``CheckpointConnector.save_checkpoint``, which calls :func:`_begin_checkpoint_save` (through the checkpointer).
 :mod:`pytorch_lightning.strategies.fsdp_streaming_save` writes the file.
 """
 # fork-feature: fork/fsdp-streaming-save.patch
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, TYPE_CHECKING
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -20,7 +20,6 @@ import pytorch_lightning as pl
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
 from pytorch_lightning.plugins.precision import PrecisionPlugin
-from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
 from pytorch_lightning.strategies.fsdp_optimizer_state import _optimizer_state_layout
 from pytorch_lightning.strategies.fsdp_introspection import (
@@ -36,119 +35,125 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.streamed_checkpoint_file import _streamed_save_available
 from pytorch_lightning.utilities.types import _PATH
 
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
+
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
 
-class FSDPStreamDecisionMixin(DDPStrategy):
-    """Methods of ``DDPFullyShardedStrategy`` that decide whether a save streams and build its placeholders."""
+def _begin_checkpoint_save(
+    strategy: "DDPFullyShardedStrategy",
+    filepath: _PATH,
+    weights_only: bool = False,
+    storage_options: Optional[Any] = None,
+) -> _SaveSession:
+    """Called by ``Trainer.save_checkpoint`` on every rank before the checkpoint is put together: the session of
+    this save, which says whether it is streamed (see ``stream_checkpoint``); the decision is logged when it
+    changes. Collective."""
+    reason = _decide_checkpoint_stream(strategy, filepath, storage_options)
+    session = _SaveSession(filepath, weights_only, stream=None if reason else _CheckpointStream(weights_only))
+    strategy._checkpoint_state.session = session
+    if reason is None or strategy.stream_checkpoint:
+        _log_checkpoint_stream_decision(strategy, reason)
+    return session
 
-    def _begin_checkpoint_save(
-        self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
-    ) -> _SaveSession:
-        """Called by ``Trainer.save_checkpoint`` on every rank before the checkpoint is put together: the session of
-        this save, which says whether it is streamed (see ``stream_checkpoint``); the decision is logged when it
-        changes. Collective."""
-        reason = self._decide_checkpoint_stream(filepath, storage_options)
-        session = _SaveSession(filepath, weights_only, stream=None if reason else _CheckpointStream(weights_only))
-        self._checkpoint_state.session = session
-        if reason is None or self.stream_checkpoint:
-            self._log_checkpoint_stream_decision(reason)
-        return session
 
-    def _decide_checkpoint_stream(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
-        """Global rank 0's reason why this save cannot be streamed, or ``None`` if it can, on every rank."""
-        try:
-            reason = self._reason_checkpoint_cannot_stream(filepath, storage_options)
-        except Exception as ex:
-            reason = f"deciding it failed ({type(ex).__name__}: {ex})"
-        if _distributed_run(self.world_size):
-            # rank 0's decision, so that every rank takes the same collectives (a callback may exist on one rank only)
-            reason = _broadcast_failure(self, reason, src=0)
-        return reason
+def _decide_checkpoint_stream(
+    strategy: "DDPFullyShardedStrategy", filepath: _PATH, storage_options: Any
+) -> Optional[str]:
+    """Global rank 0's reason why this save cannot be streamed, or ``None`` if it can, on every rank."""
+    try:
+        reason = _reason_checkpoint_cannot_stream(strategy, filepath, storage_options)
+    except Exception as ex:
+        reason = f"deciding it failed ({type(ex).__name__}: {ex})"
+    if _distributed_run(strategy.world_size):
+        # rank 0's decision, so that every rank takes the same collectives (a callback may exist on one rank only)
+        reason = _broadcast_failure(strategy, reason, src=0)
+    return reason
 
-    def _log_checkpoint_stream_decision(self, reason: Optional[str]) -> None:
-        state = self._checkpoint_state
-        if reason != state.last_stream_reason:
-            state.last_stream_reason = reason
-            if reason is None:
-                rank_zero_info(
-                    "`DDPFullyShardedStrategy`: global rank 0 writes checkpoints while their FSDP units are"
-                    " gathered, one at a time (`stream_checkpoint=True`)."
+
+def _log_checkpoint_stream_decision(strategy: "DDPFullyShardedStrategy", reason: Optional[str]) -> None:
+    state = strategy._checkpoint_state
+    if reason != state.last_stream_reason:
+        state.last_stream_reason = reason
+        if reason is None:
+            rank_zero_info(
+                "`DDPFullyShardedStrategy`: global rank 0 writes checkpoints while their FSDP units are"
+                " gathered, one at a time (`stream_checkpoint=True`)."
+            )
+        else:
+            rank_zero_info(
+                "`DDPFullyShardedStrategy`: the checkpoint is gathered on global rank 0 before it is written,"
+                f" not streamed, because {reason}."
+            )
+
+
+def _reason_checkpoint_cannot_stream(
+    strategy: "DDPFullyShardedStrategy", filepath: _PATH, storage_options: Optional[Any]
+) -> Optional[str]:
+    """Why this save cannot be streamed, or ``None`` if it can: the reason of the first check that finds one."""
+    instances = _fsdp_instances(strategy.lightning_module)
+    checks: List[Callable[[], Optional[str]]] = [
+        lambda: _reason_in_configuration(strategy, filepath, storage_options),
+        lambda: _reason_in_fsdp_instances(instances, strategy.process_group),
+        lambda: _reason_in_optimizer_state(strategy.optimizers, instances),
+        lambda: _reason_in_overrides(strategy),
+        lambda: _reason_in_custom_state_dicts(strategy),
+    ]
+    return next((reason for reason in (check() for check in checks) if reason is not None), None)
+
+
+def _streamed_model_state_dict(strategy: "DDPFullyShardedStrategy", stream: "_CheckpointStream") -> Dict[str, Any]:
+    """The LightningModule's state dict as FairScale's ``state_dict()`` builds it, with placeholders instead
+    of the parameters of FSDP instances, which are gathered when the checkpoint is written. On global rank 0;
+    an empty dict elsewhere."""
+    stream.started = True
+    if strategy.global_rank != 0:
+        stream.model_state_dict = {}
+        return stream.model_state_dict
+    instances = _fsdp_instances(strategy.lightning_module)
+    # for each submodule, its parameters that a flat parameter holds
+    owned = _flat_parameter_pieces(instances)
+    flat_ids = {id(flat) for instance in instances for flat in instance.params}
+    emulated = _modules_with_or_in_fsdp(strategy)
+    state_dict: Dict[str, Any] = OrderedDict()
+    state_dict._metadata = OrderedDict()  # type: ignore[attr-defined]
+
+    def collect(module: Module, prefix: str, instance: Optional["FullyShardedDataParallel"]) -> None:
+        if id(module) not in emulated:
+            # no FSDP in or around it: its own ``state_dict``, overrides and hooks included, as when gathered
+            module.state_dict(destination=state_dict, prefix=prefix)
+            return
+        state_dict._metadata[prefix[:-1]] = {"version": module._version}  # type: ignore[attr-defined]
+        if isinstance(module, FullyShardedDataParallel):
+            instance = module
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in flat_ids:
+                state_dict[_clean_fsdp_key(prefix + name)] = param.detach()
+        for name, shape, dtype, source in owned.get(id(module), []):
+            with stream.mode:
+                placeholder = torch.empty(shape, dtype=dtype)
+            stream.model[_clean_fsdp_key(prefix + name)] = placeholder
+            stream.model_sources[_clean_fsdp_key(prefix + name)] = source
+            state_dict[_clean_fsdp_key(prefix + name)] = placeholder
+        for name, buffer in module._buffers.items():
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            if instance is not None:
+                # as FairScale's state dict has them: in full precision, on the state dict device
+                full_precision = instance.mixed_precision and buffer.is_floating_point()
+                buffer = buffer.to(
+                    instance.state_dict_device, dtype=torch.float32 if full_precision else buffer.dtype, copy=True
                 )
-            else:
-                rank_zero_info(
-                    "`DDPFullyShardedStrategy`: the checkpoint is gathered on global rank 0 before it is written,"
-                    f" not streamed, because {reason}."
-                )
+            state_dict[_clean_fsdp_key(prefix + name)] = buffer.detach()
+        for name, child in module._modules.items():
+            if child is not None:
+                collect(child, prefix + name + ".", instance)
 
-    def _reason_checkpoint_cannot_stream(self, filepath: _PATH, storage_options: Optional[Any]) -> Optional[str]:
-        """Why this save cannot be streamed, or ``None`` if it can: the reason of the first check that finds one."""
-        instances = _fsdp_instances(self.lightning_module)
-        checks: List[Callable[[], Optional[str]]] = [
-            lambda: _reason_in_configuration(self, filepath, storage_options),
-            lambda: _reason_in_fsdp_instances(instances, self.process_group),
-            lambda: _reason_in_optimizer_state(self.optimizers, instances),
-            lambda: _reason_in_overrides(self),
-            lambda: _reason_in_custom_state_dicts(self),
-        ]
-        return next((reason for reason in (check() for check in checks) if reason is not None), None)
-
-    def _active_checkpoint_stream(self) -> Optional["_CheckpointStream"]:
-        # only while ``Trainer.save_checkpoint`` gathers the state: ``lightning_module_state_dict`` and
-        # ``optimizer_state`` called any other way return the state itself
-        return self._checkpoint_state.active_stream()
-
-    def _streamed_model_state_dict(self, stream: "_CheckpointStream") -> Dict[str, Any]:
-        """The LightningModule's state dict as FairScale's ``state_dict()`` builds it, with placeholders instead
-        of the parameters of FSDP instances, which are gathered when the checkpoint is written. On global rank 0;
-        an empty dict elsewhere."""
-        stream.started = True
-        if self.global_rank != 0:
-            stream.model_state_dict = {}
-            return stream.model_state_dict
-        instances = _fsdp_instances(self.lightning_module)
-        # for each submodule, its parameters that a flat parameter holds
-        owned = _flat_parameter_pieces(instances)
-        flat_ids = {id(flat) for instance in instances for flat in instance.params}
-        emulated = _modules_with_or_in_fsdp(self)
-        state_dict: Dict[str, Any] = OrderedDict()
-        state_dict._metadata = OrderedDict()  # type: ignore[attr-defined]
-
-        def collect(module: Module, prefix: str, instance: Optional["FullyShardedDataParallel"]) -> None:
-            if id(module) not in emulated:
-                # no FSDP in or around it: its own ``state_dict``, overrides and hooks included, as when gathered
-                module.state_dict(destination=state_dict, prefix=prefix)
-                return
-            state_dict._metadata[prefix[:-1]] = {"version": module._version}  # type: ignore[attr-defined]
-            if isinstance(module, FullyShardedDataParallel):
-                instance = module
-            for name, param in module._parameters.items():
-                if param is not None and id(param) not in flat_ids:
-                    state_dict[_clean_fsdp_key(prefix + name)] = param.detach()
-            for name, shape, dtype, source in owned.get(id(module), []):
-                with stream.mode:
-                    placeholder = torch.empty(shape, dtype=dtype)
-                stream.model[_clean_fsdp_key(prefix + name)] = placeholder
-                stream.model_sources[_clean_fsdp_key(prefix + name)] = source
-                state_dict[_clean_fsdp_key(prefix + name)] = placeholder
-            for name, buffer in module._buffers.items():
-                if buffer is None or name in module._non_persistent_buffers_set:
-                    continue
-                if instance is not None:
-                    # as FairScale's state dict has them: in full precision, on the state dict device
-                    full_precision = instance.mixed_precision and buffer.is_floating_point()
-                    buffer = buffer.to(
-                        instance.state_dict_device, dtype=torch.float32 if full_precision else buffer.dtype, copy=True
-                    )
-                state_dict[_clean_fsdp_key(prefix + name)] = buffer.detach()
-            for name, child in module._modules.items():
-                if child is not None:
-                    collect(child, prefix + name + ".", instance)
-
-        collect(self.lightning_module, "", None)
-        stream.model_state_dict = state_dict
-        return state_dict
+    collect(strategy.lightning_module, "", None)
+    stream.model_state_dict = state_dict
+    return state_dict
 
 
 class _CheckpointStream:

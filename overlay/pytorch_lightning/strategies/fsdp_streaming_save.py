@@ -2,11 +2,12 @@
 and their optimizer state one at a time while rank 0 writes each into its place in the file, so that rank 0 holds
 about one unit instead of the whole checkpoint.
 
-The hooks are ``DDPFullyShardedStrategy``'s base class and ``save_checkpoint``, which calls
-:meth:`FSDPStreamingSaveMixin._save_checkpoint_if_streamed`.
+The hook is ``DDPFullyShardedStrategy.save_checkpoint``, which calls :func:`_save_checkpoint_if_streamed` through
+the strategy's checkpointer.
 """
+
 # fork-feature: fork/fsdp-streaming-save.patch
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TYPE_CHECKING
 
 import torch
 from torch.optim import Optimizer
@@ -21,7 +22,7 @@ from pytorch_lightning.strategies.fsdp_introspection import (
     _own_parameters,
 )
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _SaveSession
-from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream, FSDPStreamDecisionMixin
+from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _failed_ranks
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _gather_to_first_rank
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
@@ -32,154 +33,167 @@ from pytorch_lightning.utilities.streamed_checkpoint_file import (
 )
 from pytorch_lightning.utilities.types import _PATH
 
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
+
 if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
+#: What writes a streamed save's units into the file once its structure is written.
+_UnitsWriter = Callable[["DDPFullyShardedStrategy", "_CheckpointStream", Optional[_StreamedCheckpointFile]], None]
 
-class FSDPStreamingSaveMixin(FSDPStreamDecisionMixin):
-    """Methods of ``DDPFullyShardedStrategy`` that write a streamed checkpoint."""
 
-    def _save_checkpoint_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
-        """Write ``checkpoint`` while gathering the state its placeholders stand for, if this save was prepared to
-        stream (see ``stream_checkpoint``), and return whether it was. Collective then."""
-        session = self._checkpoint_state.session
-        stream = None if session is None else session.stream
-        if session is not None:
-            session.stream = None  # the placeholders are written once
-        if stream is None or not stream.started or checkpoint.get("state_dict") is not stream.model_state_dict:
-            return False
-        self._save_checkpoint_streamed(checkpoint, filepath, stream, session)
-        return True
+def _save_checkpoint_if_streamed(
+    strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], filepath: _PATH, write_units: "_UnitsWriter"
+) -> bool:
+    """Write ``checkpoint`` while gathering the state its placeholders stand for, if this save was prepared to
+    stream (see ``stream_checkpoint``), and return whether it was. Collective then.
 
-    def _save_checkpoint_streamed(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
-    ) -> None:
-        """Global rank 0 writes the checkpoint's structure, then every rank gathers the FSDP units and their
-        optimizer state one at a time while rank 0 writes each into its place. Collective.
+    ``write_units`` writes the units once the structure is written: :func:`_write_streamed_units`, or the background
+    save's (see :mod:`~pytorch_lightning.strategies.fsdp_async_checkpoint`)."""
+    session = strategy._checkpoint_state.session
+    stream = None if session is None else session.stream
+    if session is not None:
+        session.stream = None  # the placeholders are written once
+    if stream is None or not stream.started or checkpoint.get("state_dict") is not stream.model_state_dict:
+        return False
+    # global rank 0 writes the checkpoint's structure, then every rank gathers the FSDP units and their optimizer
+    # state one at a time while rank 0 writes each into its place. The file appears at ``filepath`` only if every
+    # rank succeeded; a failure on any rank leaves the previous file untouched and is raised on that rank
+    # (``Trainer.save_checkpoint`` then raises it on every rank)
+    streams, writer = _write_streamed_skeleton(strategy, checkpoint, filepath, stream, session)
+    if streams:
+        write_units(strategy, stream, writer)
+    return True
 
-        The file appears at ``filepath`` only if every rank succeeded; a failure on any rank leaves the previous
-        file untouched and is raised on that rank (``Trainer.save_checkpoint`` then raises it on every rank)."""
-        streams, writer = self._write_streamed_skeleton(checkpoint, filepath, stream, session)
-        if streams:
-            self._write_streamed_units(stream, writer)
 
-    def _write_streamed_skeleton(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
-    ) -> Tuple[bool, Optional[_StreamedCheckpointFile]]:
-        """Global rank 0 writes the checkpoint's structure into a new temporary file (see
-        :meth:`_StreamedCheckpointFile.write_skeleton`); the ranks learn whether it did. Collective.
+def _write_streamed_skeleton(
+    strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream",
+    session: _SaveSession,
+) -> Tuple[bool, Optional[_StreamedCheckpointFile]]:
+    """Global rank 0 writes the checkpoint's structure into a new temporary file (see
+    :meth:`_StreamedCheckpointFile.write_skeleton`); the ranks learn whether it did. Collective.
 
-        Returns whether the units are to be streamed into the file, and on global rank 0 the file. Otherwise the
-        checkpoint was saved whole (where it cannot be streamed, with a log line saying why), or it failed, which is
-        raised on global rank 0."""
-        writer, error, decision = None, None, "stream"
-        if self.is_global_zero:
-            try:
-                writer = _StreamedCheckpointFile(filepath)
-                writer.write_skeleton(checkpoint, stream.placeholders())
-            except _NotStreamable as ex:
-                decision = f"whole: {ex}"
-            except Exception as ex:
-                error, decision = ex, "failed"
-            if decision != "stream" and writer is not None:
-                writer.discard()
-        # over the checkpoint group, so that the other ranks wait for rank 0 as long as `PL_CHECKPOINT_TIMEOUT` says
-        decision = _broadcast_failure(self, decision, src=0)
-        if decision == "failed":
-            if error is not None:
-                raise error
-            return False, None
-        if decision != "stream":
-            rank_zero_info(
-                "`DDPFullyShardedStrategy`: the checkpoint is gathered on global rank 0 before it is written, not"
-                f" streamed, because {decision[len('whole: '):]}."
+    Returns whether the units are to be streamed into the file, and on global rank 0 the file. Otherwise the
+    checkpoint was saved whole (where it cannot be streamed, with a log line saying why), or it failed, which is
+    raised on global rank 0."""
+    writer, error, decision = None, None, "stream"
+    if strategy.is_global_zero:
+        try:
+            writer = _StreamedCheckpointFile(filepath)
+            writer.write_skeleton(checkpoint, stream.placeholders())
+        except _NotStreamable as ex:
+            decision = f"whole: {ex}"
+        except Exception as ex:
+            error, decision = ex, "failed"
+        if decision != "stream" and writer is not None:
+            writer.discard()
+    # over the checkpoint group, so that the other ranks wait for rank 0 as long as `PL_CHECKPOINT_TIMEOUT` says
+    decision = _broadcast_failure(strategy, decision, src=0)
+    if decision == "failed":
+        if error is not None:
+            raise error
+        return False, None
+    if decision != "stream":
+        rank_zero_info(
+            "`DDPFullyShardedStrategy`: the checkpoint is gathered on global rank 0 before it is written, not"
+            f" streamed, because {decision[len('whole: ') :]}."
+        )
+        _save_checkpoint_gathered(strategy, checkpoint, filepath, stream, session)
+        return False, None
+    return True, writer
+
+
+def _write_streamed_units(
+    strategy: "DDPFullyShardedStrategy", stream: "_CheckpointStream", writer: Optional[_StreamedCheckpointFile]
+) -> None:
+    """Every rank gathers the FSDP units and their optimizer state one at a time while global rank 0 writes each
+    into its place in ``writer``, then commits it if every rank succeeded. Collective."""
+    # before each gather of a unit, the ranks agree over the checkpoint group that all of them can take part, so
+    # that a failure on one rank (in FairScale's allocation of the unit's buffers too) stops every rank there;
+    # the other ranks also wait for rank 0's writes there, for as long as ``PL_CHECKPOINT_TIMEOUT`` says
+    guard = _new_checkpoint_guard(strategy)
+    with _committed_if_complete(writer):
+        _stream_model_state(strategy, stream, writer, guard)
+        if not stream.weights_only:
+            for index, optimizer in enumerate(strategy.optimizers):
+                _stream_optimizer_state(strategy, optimizer, index, stream, writer, guard)
+        if not guard.settle() and writer is not None:
+            writer.complete = True
+    guard.raise_if_failed()
+
+
+def _save_checkpoint_gathered(
+    strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream",
+    session: _SaveSession,
+) -> None:
+    """Gather the state the placeholders of ``stream`` stand for, put it in their place and save the checkpoint
+    as a whole, as without ``stream_checkpoint``. Collective."""
+    with session.gathering_state():
+        state_dict = strategy.lightning_module_state_dict()
+        optimizer_states = [] if stream.weights_only else [strategy.optimizer_state(o) for o in strategy.optimizers]
+    error = session.pop_error()
+    if _failed_ranks(strategy, error is not None):
+        if error is not None:
+            raise error
+        return
+    if checkpoint.get("state_dict") is stream.model_state_dict:
+        checkpoint["state_dict"] = state_dict
+    saved = checkpoint.get("optimizer_states", [])
+    for i, (placeholder, state) in enumerate(zip(stream.optimizer_states, optimizer_states)):
+        if i < len(saved) and saved[i] is placeholder:
+            saved[i] = state
+    if strategy.is_global_zero:
+        strategy.checkpoint_io.save_checkpoint(checkpoint, filepath)
+
+
+def _stream_model_state(
+    strategy: "DDPFullyShardedStrategy", stream: "_CheckpointStream", writer: Optional[Any], guard: _CollectiveGuard
+) -> None:
+    """Gather the FSDP instances one at a time (``summon_full_params(recurse=False)``), and on global rank 0
+    write each parameter into its placeholder's place in the file. Stops on every rank once any rank failed."""
+    written = set()
+    module = strategy.lightning_module
+    instances = _named_fsdp_instances(module)
+
+    def write(prefix: str, instance: "FullyShardedDataParallel") -> None:
+        if writer is not None:
+            written.update(_write_unit(prefix, instance, stream, writer))
+
+    _gather_units_one_at_a_time(instances, guard, strategy._process_group, write, volatile=True)
+    if writer is not None and not guard.stopped and written != set(stream.model):
+        guard.record(
+            RuntimeError(
+                f"The FSDP instances gave no values for {sorted(set(stream.model) - written)} of the checkpoint."
             )
-            self._save_checkpoint_gathered(checkpoint, filepath, stream, session)
-            return False, None
-        return True, writer
+        )
 
-    def _write_streamed_units(self, stream: "_CheckpointStream", writer: Optional[_StreamedCheckpointFile]) -> None:
-        """Every rank gathers the FSDP units and their optimizer state one at a time while global rank 0 writes each
-        into its place in ``writer``, then commits it if every rank succeeded. Collective."""
-        # before each gather of a unit, the ranks agree over the checkpoint group that all of them can take part, so
-        # that a failure on one rank (in FairScale's allocation of the unit's buffers too) stops every rank there;
-        # the other ranks also wait for rank 0's writes there, for as long as ``PL_CHECKPOINT_TIMEOUT`` says
-        guard = _new_checkpoint_guard(self)
-        with _committed_if_complete(writer):
-            self._stream_model_state(stream, writer, guard)
-            if not stream.weights_only:
-                for index, optimizer in enumerate(self.optimizers):
-                    self._stream_optimizer_state(optimizer, index, stream, writer, guard)
-            if not guard.settle() and writer is not None:
-                writer.complete = True
-        guard.raise_if_failed()
 
-    def _save_checkpoint_gathered(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream", session: _SaveSession
-    ) -> None:
-        """Gather the state the placeholders of ``stream`` stand for, put it in their place and save the checkpoint
-        as a whole, as without ``stream_checkpoint``. Collective."""
-        with session.gathering_state():
-            state_dict = self.lightning_module_state_dict()
-            optimizer_states = [] if stream.weights_only else [self.optimizer_state(o) for o in self.optimizers]
-        error = session.pop_error()
-        if _failed_ranks(self, error is not None):
-            if error is not None:
-                raise error
+def _stream_optimizer_state(
+    strategy: "DDPFullyShardedStrategy",
+    optimizer: Optimizer,
+    index: int,
+    stream: "_CheckpointStream",
+    writer: Optional[Any],
+    guard: _CollectiveGuard,
+) -> None:
+    """Gather each FSDP instance's optimizer state onto global rank 0 (``torch.distributed.gather``, so the
+    other ranks only ever hold their own shard), one state tensor at a time, and write it into its placeholder's
+    place in the file there. Every allocation comes before the agreement that precedes its gather."""
+    roots = _outermost_fsdp_instances(strategy.lightning_module)
+    for root, key, value, numel in _streamed_optimizer_tensors(optimizer, index, roots):
+        if guard.stopped:
             return
-        if checkpoint.get("state_dict") is stream.model_state_dict:
-            checkpoint["state_dict"] = state_dict
-        saved = checkpoint.get("optimizer_states", [])
-        for i, (placeholder, state) in enumerate(zip(stream.optimizer_states, optimizer_states)):
-            if i < len(saved) and saved[i] is placeholder:
-                saved[i] = state
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath)
-
-    def _stream_model_state(self, stream: "_CheckpointStream", writer: Optional[Any], guard: _CollectiveGuard) -> None:
-        """Gather the FSDP instances one at a time (``summon_full_params(recurse=False)``), and on global rank 0
-        write each parameter into its placeholder's place in the file. Stops on every rank once any rank failed."""
-        written = set()
-        module = self.lightning_module
-        instances = _named_fsdp_instances(module)
-
-        def write(prefix: str, instance: "FullyShardedDataParallel") -> None:
-            if writer is not None:
-                written.update(_write_unit(prefix, instance, stream, writer))
-
-        _gather_units_one_at_a_time(instances, guard, self._process_group, write, volatile=True)
-        if writer is not None and not guard.stopped and written != set(stream.model):
-            guard.record(
-                RuntimeError(
-                    f"The FSDP instances gave no values for {sorted(set(stream.model) - written)} of the checkpoint."
-                )
-            )
-
-    def _stream_optimizer_state(
-        self,
-        optimizer: Optimizer,
-        index: int,
-        stream: "_CheckpointStream",
-        writer: Optional[Any],
-        guard: _CollectiveGuard,
-    ) -> None:
-        """Gather each FSDP instance's optimizer state onto global rank 0 (``torch.distributed.gather``, so the
-        other ranks only ever hold their own shard), one state tensor at a time, and write it into its placeholder's
-        place in the file there. Every allocation comes before the agreement that precedes its gather."""
-        roots = _outermost_fsdp_instances(self.lightning_module)
-        for root, key, value, numel in _streamed_optimizer_tensors(optimizer, index, roots):
-            if guard.stopped:
-                return
-            shard = None
-            with guard.catch():
-                shard = value.to(root.compute_device).reshape(-1)
-            shards = _gather_to_first_rank(shard, guard, root.process_group, root.world_size)
-            if shards is None:
-                return
-            if writer is None:
-                continue
-            with guard.catch():
-                writer.write_shards(stream.optimizer_placeholders[key], shards, numel)
+        shard = None
+        with guard.catch():
+            shard = value.to(root.compute_device).reshape(-1)
+        shards = _gather_to_first_rank(shard, guard, root.process_group, root.world_size)
+        if shards is None:
+            return
+        if writer is None:
+            continue
+        with guard.catch():
+            writer.write_shards(stream.optimizer_placeholders[key], shards, numel)
 
 
 def _streamed_optimizer_tensors(

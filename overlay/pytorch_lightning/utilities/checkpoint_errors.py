@@ -6,7 +6,7 @@ type.
 The hooks are ``CheckpointConnector`` (through
 :class:`~pytorch_lightning.trainer.connectors.checkpoint_failures._CheckpointFailures`) and
 ``DDPFullyShardedStrategy`` (through
-:class:`~pytorch_lightning.strategies.fsdp_checkpoint_errors.FSDPCheckpointErrorsMixin`).
+:mod:`~pytorch_lightning.strategies.fsdp_checkpoint_errors`).
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
 import importlib

@@ -28,7 +28,7 @@ def _in_flight_path(strategy: "pl.strategies.Strategy") -> Optional[_PATH]:
     # only ``DDPFullyShardedStrategy`` saves in the background
     if not isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
         return None
-    return strategy._in_flight_checkpoint_path()
+    return strategy._checkpointer.in_flight_path()
 
 
 def _is_in_flight(strategy: "pl.strategies.Strategy", filepath: _PATH) -> bool:
@@ -54,7 +54,7 @@ def _notify_loggers_once_committed(trainer: "pl.Trainer", checkpoint_callback: A
         _COMMITTED_VIEWS.setdefault(key, []).append(view)
         _call_loggers(trainer, view)
 
-    trainer.strategy._run_once_committed(notify)
+    trainer.strategy._checkpointer.run_once_committed(notify)
 
 
 def _call_loggers(trainer: "pl.Trainer", checkpoint_callback: Any) -> None:
@@ -66,4 +66,4 @@ def _finish_in_flight_on_interrupt(trainer: "pl.Trainer") -> None:
     """On ``KeyboardInterrupt``, which skips the strategy's teardown: this rank's part of the save in flight is
     finished and reported before ``fit`` returns (see ``_finish_checkpoint_in_flight_alone``)."""
     if isinstance(trainer.strategy, pl.strategies.DDPFullyShardedStrategy):
-        trainer.strategy._finish_checkpoint_in_flight_alone()
+        trainer.strategy._checkpointer.finish_in_flight_alone()

@@ -2,7 +2,7 @@
 of each memory cgroup the process is in (a container's, a Slurm job's) minus what that cgroup uses, read from
 ``/proc`` and the cgroup filesystem, v1 or v2.
 
-Used by :class:`~pytorch_lightning.strategies.fsdp_checkpoint_errors.FSDPCheckpointErrorsMixin`, which checks before
+Used by :mod:`~pytorch_lightning.strategies.fsdp_checkpoint_errors`, which checks before
 a checkpoint is gathered (and before an asynchronous save copies the ranks' shards into host memory) that the ranks
 under each bound have the memory for what they will hold together.
 """

@@ -1,7 +1,7 @@
 """The streamed checkpoint file: a local checkpoint written in two steps, its structure first and the values of its
 pending tensors later, as the FSDP units they belong to are gathered one at a time.
 
-Used by :class:`~pytorch_lightning.strategies.fsdp_streaming_save.FSDPStreamingSaveMixin`; the file is made,
+Used by :mod:`~pytorch_lightning.strategies.fsdp_streaming_save`; the file is made,
 committed and discarded as :func:`~pytorch_lightning.utilities.atomic_save.save_atomically` does.
 """
 # fork-feature: fork/fsdp-streaming-save.patch

@@ -53,7 +53,7 @@ class _CheckpointFailures:
         are, or raise ``CheckpointError`` after ``PL_CHECKPOINT_ARRIVAL_TIMEOUT``. Collective for those strategies."""
         strategy = self._connector.trainer.strategy
         if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
-            strategy._agree_on_checkpoint_arrival(f"Saving the checkpoint to {str(filepath)!r}")
+            strategy._checkpointer.agree_on_arrival(f"Saving the checkpoint to {str(filepath)!r}")
 
     def save_checkpoint_on_every_rank(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
@@ -93,7 +93,7 @@ class _CheckpointFailures:
         session = None
         if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
             # decided before the state is gathered: whether the strategy writes it while gathering it
-            session = strategy._begin_checkpoint_save(filepath, weights_only, storage_options)
+            session = strategy._checkpointer.begin_save(filepath, weights_only, storage_options)
         checkpoint, error = None, None
         try:
             with session.gathering_state() if session is not None else nullcontext():
@@ -169,7 +169,7 @@ def _final_failed_ranks(strategy: "pl.strategies.Strategy", failed: bool) -> Lis
     if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
         # a loop's agreement may have met this exchange of a rank that failed outside the loop: then this rank has
         # its flags already, and that rank is on its way to the broadcast of its error
-        flags = strategy._checkpoint_state.take_final_flags()
+        flags = strategy._checkpointer.state.take_final_flags()
         if flags is not None:
             return flags
     return _flagged_ranks(_exchange_flags(strategy, FINAL_EXCHANGE_FLAG if failed else 0))
