@@ -137,6 +137,16 @@ def test_a_global_swapped_meanwhile_is_reported_and_the_original_put_back():
         pass
 
 
+def test_a_global_swapped_while_the_block_raises_lets_the_block_error_through():
+    # a Ctrl-C (or the block's own error) must stay what it is, not become the swap's RuntimeError
+    original = fsdp_module.dist
+    with pytest.raises(KeyboardInterrupt):
+        with _agreeing_fairscale_collectives(_guard(), None):
+            fsdp_module.dist = "foreign"
+            raise KeyboardInterrupt
+    assert fsdp_module.dist is original
+
+
 @pytest.mark.timeout(420)
 def test_interposer_in_real_saves(tmp_path: Path) -> None:
     """One 2-rank launch: a positional ``group`` is guarded (the rank that did not run out of memory stops instead of

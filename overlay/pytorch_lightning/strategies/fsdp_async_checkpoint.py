@@ -442,9 +442,10 @@ class _BackgroundSave:
         except (AttributeError, OSError):
             pass
         try:
-            if self.event is not None:
-                self.event.synchronize()
             with _committed_if_complete(self.writer):
+                # inside the block: a device error surfacing here discards the temporary file too
+                if self.event is not None:
+                    self.event.synchronize()
                 self._gather_and_write()
                 if not guard.settle() and self.writer is not None:
                     self.writer.complete = True

@@ -145,16 +145,20 @@ def _agreeing_fairscale_collectives(guard: _CollectiveGuard, group: Any) -> Gene
     import fairscale.nn.data_parallel.fully_sharded_data_parallel as fsdp_module
 
     _check_fairscale_interposable(fsdp_module)
-    _INTERPOSER.enter()
     original = fsdp_module.dist
-    proxy = fsdp_module.dist = _AgreeingDistributed(original, guard, threading.get_ident(), group)
+    proxy = _AgreeingDistributed(original, guard, threading.get_ident(), group)
+    _INTERPOSER.enter()
+    raised = True
     try:
+        fsdp_module.dist = proxy
         yield
+        raised = False
     finally:
         found = fsdp_module.dist
         fsdp_module.dist = original
         _INTERPOSER.leave()
-        if found is not proxy:
+        # only where nothing is raised already: a KeyboardInterrupt or the block's own error must go on as it is
+        if found is not proxy and not raised:
             raise RuntimeError(
                 f"FairScale's module global `dist` was replaced by {found!r} while a checkpoint guarded its"
                 f" collectives; it is restored to {original!r}, which the guard replaced. Something else swaps"
