@@ -2,23 +2,30 @@
 
 Each scenario injects one fault into checkpoint saving or loading. Scenarios that are expected to fail let the
 exception escape, so the process exits non-zero; ``fsdp_harness.scenario.main`` writes the traceback of each rank to
-``<out>/rank<N>.error``. Facts the driving test needs (hashes of files before the fault, the time of the fault) are
-written by rank 0 to ``<out>/facts.json`` before the fault happens. Driven by ``test_ddp_fully_sharded_faults.py``.
+``<out>/rank<N>.error``. With ``--caught`` the exception is caught at the top of the scenario instead (nothing after
+the raise runs): the record holds its traceback and the time of the raise, and the next scenario of a batch runs in
+the same processes (one launch for many faults, as in the collective-fault tests). Facts the driving test needs
+(hashes of files before the fault, the time of the fault) are written by rank 0 to ``<out>/facts.json`` before the
+fault happens. Driven by ``test_ddp_fully_sharded_faults.py``.
 """
 import argparse
 import errno
+import functools
 import hashlib
 import json
 import os
+import shutil
 import signal
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
+from fsdp_harness.corrupt_checkpoint import KINDS, make_bad_checkpoint
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
@@ -99,6 +106,37 @@ class RankFailingLoadIO(TorchCheckpointIO):
         return super().load_checkpoint(path, map_location)
 
 
+def caught(scenario: Callable[[argparse.Namespace], Dict[str, Any]]) -> Callable[[argparse.Namespace], Dict[str, Any]]:
+    """``scenario``, whose exception is caught and recorded with ``--caught`` (see the module's docstring)."""
+
+    @functools.wraps(scenario)
+    def run(args: argparse.Namespace) -> Dict[str, Any]:
+        if not args.caught:
+            return scenario(args)
+        try:
+            return scenario(args)
+        except Exception:
+            return {"rank": global_rank(), "raised_time": time.time(), "error": traceback.format_exc()}
+
+    return run
+
+
+def prepare_bad_checkpoint(args: argparse.Namespace) -> None:
+    """Rank 0 makes the ``--bad`` kind of checkpoint at ``--ckpt`` from the good one at ``--good`` (``good``: a copy);
+    the other ranks wait for it (by a marker file, since no process group need exist yet) before they load it."""
+    ready = args.out / "bad_checkpoint_ready"
+    if global_rank() == 0:
+        if args.bad == "good":
+            shutil.copyfile(args.good, args.ckpt)
+        else:
+            make_bad_checkpoint(args.bad, args.good, args.ckpt)
+        ready.touch()
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline, f"rank 0 did not make {args.ckpt}"
+        time.sleep(0.01)
+
+
 def trainer_kwargs(args: argparse.Namespace, **overrides: Any) -> Dict[str, Any]:
     defaults = {"strategy": CPUFullyShardedStrategy(), "max_epochs": 1, "limit_val_batches": 0}
     return quiet_trainer_kwargs(args.out, args.devices, **{**defaults, **overrides})
@@ -152,7 +190,11 @@ def fit_checkpoint_fails(args: argparse.Namespace) -> Dict[str, Any]:
 
 def resume_bad(args: argparse.Namespace) -> Dict[str, Any]:
     """``fit(ckpt_path=...)`` from the file at ``--ckpt`` (prepared by the test, or missing), or with a load that fails
-    on global rank 1 only (``--ckpt`` a good checkpoint and ``--fail-load-rank 1``)."""
+    on global rank 1 only (``--ckpt`` a good checkpoint and ``--fail-load-rank 1``). With ``--bad`` the file at
+    ``--ckpt`` is made here from ``--good`` (see :func:`prepare_bad_checkpoint`), for a batch that saves ``--good``
+    in an earlier case."""
+    if args.bad:
+        prepare_bad_checkpoint(args)
     seed_everything(1)
     model = SGDModel()
     plugins = [RankFailingLoadIO(args, args.fail_load_rank)]
@@ -226,14 +268,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-load-rank", type=int)
     parser.add_argument("--megabytes", type=int, default=256)
     parser.add_argument("--previous", action="store_true")
+    parser.add_argument("--bad", choices=KINDS + ("good",), help="kind of checkpoint that resume_bad makes at --ckpt")
+    parser.add_argument("--good", type=Path, help="the good checkpoint that --bad is made from")
+    parser.add_argument("--caught", action="store_true", help="catch and record the scenario's exception")
 
 
 if __name__ == "__main__":
     main(
         {
-            "save_fails": save_fails,
-            "fit_checkpoint_fails": fit_checkpoint_fails,
-            "resume_bad": resume_bad,
+            "save_fails": caught(save_fails),
+            "fit_checkpoint_fails": caught(fit_checkpoint_fails),
+            "resume_bad": caught(resume_bad),
             "save_good": save_good,
             "killed_mid_save": killed_mid_save,
         },
