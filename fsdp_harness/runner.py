@@ -40,18 +40,10 @@ def launch(
     return run_module(module, _argv(scenario, out, devices, args), timeout=timeout, grace=grace, env=env)
 
 
-def run_scenario(
-    module: str,
-    scenario: str,
-    out: Path,
-    *args: Any,
-    devices: int = 2,
-    timeout: float = 180,
-    grace: float = 15,
-    env: Optional[Dict[str, str]] = None,
-) -> Records:
-    """:func:`launch`, which must succeed on every rank; returns each rank's record."""
-    assert_success(launch(module, scenario, out, *args, devices=devices, timeout=timeout, grace=grace, env=env))
+def run_scenario(module: str, scenario: str, out: Path, *args: Any, devices: int = 2, **options: Any) -> Records:
+    """:func:`launch` (``options``: its ``timeout``, ``grace`` and ``env``), which must succeed on every rank; returns
+    each rank's record."""
+    assert_success(launch(module, scenario, out, *args, devices=devices, **options))
     return read_results(out, devices)
 
 
