@@ -48,8 +48,8 @@ def restore_around_configure_sharded_model(trainer: "pl.Trainer", ckpt_path: Opt
     unknown = keys_before_configure_sharded_model(trainer)
     if unknown:
         rank_zero_info(
-            f"Restoring the checkpoint after `configure_sharded_model`: the LightningModule has {len(unknown)} of its"
-            f" `state_dict` keys (such as {unknown[0]!r}) only after that hook."
+            f"Restoring the checkpoint after `configure_sharded_model`: {len(unknown)} of its `state_dict` keys"
+            f" (such as {unknown[0]!r}) are not in the LightningModule before that hook."
         )
     else:
         trainer._restore_loaded_modules_and_callbacks()
