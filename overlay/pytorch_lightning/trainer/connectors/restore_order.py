@@ -20,7 +20,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.types import _PATH
 
 
-def keys_before_configure_sharded_model(trainer: "pl.Trainer") -> List[str]:
+def keys_not_yet_in_module(trainer: "pl.Trainer") -> List[str]:
     """The keys of the loaded checkpoint's ``state_dict`` that the LightningModule does not have (yet).
 
     Every rank loads the same file into the same module, so the ranks agree.
@@ -45,7 +45,7 @@ def restore_around_configure_sharded_model(trainer: "pl.Trainer", ckpt_path: Opt
         ckpt_path: the checkpoint ``_run`` restores, if any (``resume_start`` may pick an HPC checkpoint instead).
     """
     trainer._checkpoint_connector.resume_start(ckpt_path)
-    unknown = keys_before_configure_sharded_model(trainer)
+    unknown = keys_not_yet_in_module(trainer)
     if unknown:
         rank_zero_info(
             f"Restoring the checkpoint after `configure_sharded_model`: {len(unknown)} of its `state_dict` keys"
