@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from pytorch_lightning import Trainer, seed_everything
@@ -129,8 +130,31 @@ def resume(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def validate_from(args: argparse.Namespace, path: Path) -> Dict[str, Any]:
+    """``trainer.validate`` a new :class:`ShardedLayers` from ``path`` (here or in the process that calls it): the
+    weights it evaluated and the order of its hooks."""
+    model = ShardedLayers()
+    trainer = _trainer(args, 1, limit_val_batches=2)
+    trainer.validate(model, ckpt_path=str(path))
+    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return {"calls": model.calls, "model_mismatches": state_mismatches(model.state_dict(), saved)}
+
+
+def fsdp_weights(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fit :class:`ShardedLayers` under the fork's FSDP and save, then validate a new one from that file under DDP."""
+    seed_everything(1)
+    path = args.out / "fsdp.ckpt"
+    kwargs = quiet_trainer_kwargs(args.out, args.devices, strategy=CPUFullyShardedStrategy(), max_epochs=1,
+                                  limit_val_batches=0)
+    trainer = Trainer(**kwargs)
+    trainer.fit(ShardedLayers())
+    trainer.save_checkpoint(path)
+    trainer.strategy.barrier()
+    return validate_from(args, path)
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--model", choices=sorted(MODELS))
 
 
 def in_process(out: Path, model: str) -> Dict[str, Any]:
@@ -139,4 +163,4 @@ def in_process(out: Path, model: str) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main({"resume": resume}, _add_arguments)
+    main({"resume": resume, "fsdp_weights": fsdp_weights}, _add_arguments)

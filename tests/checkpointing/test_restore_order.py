@@ -3,12 +3,14 @@ the checkpoint's layers (``fork/restore-after-configure-sharded-model``), before
 
 The DDP cases run on 2 CPU ranks in one launch (``ddp_runs``); the single-device ones in this process.
 """
+from argparse import Namespace
+
 import pytest
 
 from fsdp_harness.runner import ScenarioBatch, selected_tests
 from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
-from tests.checkpointing.restore_order_scenarios import ShardedLayers, in_process
+from tests.checkpointing.restore_order_scenarios import ShardedLayers, in_process, validate_from
 
 SCENARIOS = "tests.checkpointing.restore_order_scenarios"
 BATCH_TIMEOUT = 300
@@ -23,9 +25,12 @@ ORDER = {
 @pytest.fixture(scope="module")
 def ddp_runs(request, tmp_path_factory) -> ScenarioBatch:
     batch = ScenarioBatch(SCENARIOS, tmp_path_factory.mktemp("restore_order"), timeout=BATCH_TIMEOUT)
-    if "test_ddp_resume" in selected_tests(request):
+    selected = selected_tests(request)
+    if "test_ddp_resume" in selected:
         for model in ORDER:
             batch.add(model, "resume", "--model", model)
+    if "test_fsdp_checkpoint_weights_load_under_ddp_and_on_one_device" in selected:
+        batch.add("fsdp", "fsdp_weights")
     return batch
 
 
@@ -76,3 +81,14 @@ def test_keys_missing_after_the_hook_raise_the_strict_load_error(tmp_path):
     message = str(raised.value)
     assert '"layer.2.0.weight", "layer.2.0.bias"' in message
     assert "layer.0.0.weight" not in message and "Missing key" not in message
+
+
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+def test_fsdp_checkpoint_weights_load_under_ddp_and_on_one_device(ddp_runs, tmp_path):
+    """The file the fork's FSDP wrote for a model built in ``configure_sharded_model``: its weights load into the
+    same model under DDP (2 ranks) and on one device, restored after the hook."""
+    validated = [*ddp_runs.results("fsdp"), validate_from(Namespace(out=tmp_path, devices=1),
+                                                          ddp_runs.folder("fsdp") / "fsdp.ckpt")]
+    for record in validated:
+        assert record["calls"] == ["setup", "configure_sharded_model", "on_load_checkpoint"]
+        assert record["model_mismatches"] == []
