@@ -1,6 +1,7 @@
 """Resume a ``ckpt_path`` under DDP (2 CPU ranks over gloo) or on one device, with the layers made in
-``configure_sharded_model`` or in ``__init__``; run as ``python -m tests.checkpointing.restore_order_scenarios``, or
-in-process for one device. The driving tests are in ``test_restore_order.py``."""
+``configure_sharded_model`` or in ``__init__``, and validate from a file the fork's FSDP wrote; run as
+``python -m tests.checkpointing.restore_order_scenarios``, or in-process for one device. The driving tests are in
+``test_restore_order.py``."""
 import argparse
 import contextlib
 import logging
@@ -46,8 +47,8 @@ class RecordsHooks:
 
 
 class ShardedLayers(RecordsHooks, FSDPModel):
-    """Its blocks exist only after ``configure_sharded_model`` (there ``wrap`` returns them as they are), trained
-    with Adam."""
+    """Its blocks exist only after ``configure_sharded_model`` (outside FSDP, ``wrap`` returns them as they are),
+    trained with Adam."""
 
     def __init__(self, units: int = 2) -> None:
         super().__init__(width=16, units=units, optimizer="adam", batches=EPOCH_STEPS)
@@ -57,7 +58,7 @@ class PlainLayers(RecordsHooks, AdamModel):
     """Its layer exists from ``__init__``, as in most models."""
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        # EPOCH_STEPS batches per rank
+        # EPOCH_STEPS batches per rank on 2 ranks, as ShardedLayers
         return torch.utils.data.DataLoader(torch.randn(EPOCH_STEPS * 2 * 2, 32), batch_size=2)
 
 
