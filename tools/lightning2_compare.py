@@ -51,15 +51,22 @@ def _flat_optimizer(state: Dict[str, Any]) -> Dict[str, Any]:
     return flat
 
 
+def _layout(optimizer_state: Dict[str, Any]) -> List[str]:
+    # without ``param_names``, the name-keyed view that the fork's FSDP files add to the plain layout
+    return sorted(set(optimizer_state) - {"param_names"})
+
+
 def _compare_checkpoints(run: Dict[str, Any], reference: Dict[str, Any], atol: float, rtol: float) -> Tuple[bool, str]:
     weights, problems = _max_difference(run["state_dict"], reference["state_dict"], "weights")
-    optimizer, optimizer_problems = _max_difference(
-        _flat_optimizer(run["optimizer_states"][0]), _flat_optimizer(reference["optimizer_states"][0]), "optimizer"
-    )
-    layouts = [sorted(state) for state in (run["optimizer_states"][0], reference["optimizer_states"][0])]
-    if layouts[0] != layouts[1]:
-        optimizer_problems = [f"optimizer state layout {layouts[0]} != {layouts[1]}"]
-    problems += optimizer_problems
+    run_optimizer, reference_optimizer = run["optimizer_states"][0], reference["optimizer_states"][0]
+    if _layout(run_optimizer) != _layout(reference_optimizer):
+        optimizer = 0.0
+        problems.append(f"optimizer state layout {_layout(run_optimizer)} != {_layout(reference_optimizer)}")
+    else:
+        optimizer, optimizer_problems = _max_difference(
+            _flat_optimizer(run_optimizer), _flat_optimizer(reference_optimizer), "optimizer"
+        )
+        problems += optimizer_problems
     scale = max((t.abs().max().item() for t in reference["state_dict"].values() if t.numel()), default=1.0)
     close = max(weights, optimizer) <= atol + rtol * scale
     detail = f"max |diff| weights {weights:.3g}, optimizer state {optimizer:.3g}"
@@ -84,11 +91,17 @@ def _loaded_from_file(loaded: Optional[Dict[str, Any]], file: Dict[str, Any]) ->
     return steps == file_steps, f"state of {len(loaded['state'])} flat parameters, steps {steps} (file: {file_steps})"
 
 
-def _not_restored(file: Dict[str, Any], restorable: Dict[str, List[str]]) -> List[str]:
-    """The file's loop and callback states that the run's Lightning has no place for (it skips them silently)."""
-    found = {"loops": file.get("loops", {}).get("fit_loop", {}), "callbacks": file.get("callbacks", {})}
-    missing = {kind: sorted(set(found[kind]) - set(restorable[kind])) for kind in found}
-    return [f"{kind} state not restored: {', '.join(keys)}" for kind, keys in missing.items() if keys]
+def _not_restored(file: Dict[str, Any], restored: Dict[str, Any]) -> List[str]:
+    """What of the file's progress and ``ModelCheckpoint`` state the run did not take (the run's loops or callbacks
+    did not find it under the names they restore)."""
+    model_checkpoints = [s for key, s in file.get("callbacks", {}).items() if str(key).startswith("ModelCheckpoint")]
+    expected = {
+        "global_step": file["global_step"],
+        "epoch": file["epoch"],
+        "best_model_path": model_checkpoints[0]["best_model_path"] if model_checkpoints else "",
+    }
+    return [f"{key} {restored[key]!r} after the restore, {value!r} in the file"
+            for key, value in expected.items() if restored[key] != value]
 
 
 def check(args: argparse.Namespace) -> bool:
@@ -110,7 +123,9 @@ def check(args: argparse.Namespace) -> bool:
         same, detail = _compare_checkpoints(_load(args.run / "last.ckpt"), _load(args.reference), args.atol, args.rtol)
         ok &= same
         parts.append(f"vs {args.reference.parent.name}: {detail}")
-        parts += _not_restored(_load(args.file), result["restorable"])
+        not_restored = _not_restored(_load(args.file), result["restored"])
+        ok &= not not_restored
+        parts += not_restored or ["loops and ModelCheckpoint restored"]
     parts += [f"warning: {w}" for w in result["warnings"]]
     print(f"{'PASS' if ok else 'FAIL'} {args.name}: global_step {result['global_step']}; " + "; ".join(parts))
     return ok

@@ -21,7 +21,7 @@ import json
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ class Model(pl.LightningModule):
         torch.manual_seed(0)
         self.layer = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(UNITS)])
         self.loaded_optimizer_state: Optional[Dict[str, Any]] = None
-        self.restorable: Dict[str, List[str]] = {}
+        self.restored: Dict[str, Any] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
@@ -79,10 +79,11 @@ class Model(pl.LightningModule):
         # What the restore put into the optimizer, before the first step changes it.
         optimizer = self.trainer.optimizers[0]
         self.loaded_optimizer_state = _clone(optimizer.state_dict())
-        # The loop and callback states this Lightning reads: a file's other entries are not restored.
-        self.restorable = {
-            "loops": sorted(self.trainer.fit_loop.state_dict()),
-            "callbacks": sorted(callback.state_key for callback in self.trainer.callbacks),
+        # What the loops and the callback took from the file: the progress, and ModelCheckpoint's state.
+        self.restored = {
+            "global_step": self.trainer.global_step,
+            "epoch": self.trainer.current_epoch,
+            "best_model_path": self.trainer.checkpoint_callback.best_model_path,
         }
 
 
@@ -124,6 +125,11 @@ def _strategy(name: str) -> Any:
     return CPUFSDPStrategy(state_dict_type="full", auto_wrap_policy={nn.Sequential}, process_group_backend="gloo")
 
 
+def _worth_reporting(warning: warnings.WarningMessage) -> bool:
+    # what a resume may say about the file: its optimizer state, callback or loop states left behind
+    return any(word in str(warning.message) for word in ("optimizer state", "callbacks", "not restored"))
+
+
 def fit(args: argparse.Namespace) -> Dict[str, Any]:
     model = (ForkFSDPModel if args.strategy == "fork-fsdp" else Model)(args.optimizer, args.devices)
     trainer = pl.Trainer(
@@ -150,8 +156,8 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
         "lightning": pl.__version__,
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
-        "restorable": model.restorable,
-        "warnings": sorted({str(w.message).splitlines()[0][:160] for w in caught if "optimizer" in str(w.message)}),
+        "restored": model.restored,
+        "warnings": sorted({str(w.message).splitlines()[0][:160] for w in caught if _worth_reporting(w)}),
     }
 
 
