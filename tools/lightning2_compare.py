@@ -116,16 +116,15 @@ def check(args: argparse.Namespace) -> bool:
     result = json.loads((args.run / "result.json").read_text())
     parts, ok = [], True
     if args.file:
-        loaded_ok, detail = _loaded_from_file(_load(args.run / "loaded.pt"), _load(args.file))
-        ok &= loaded_ok
-        parts.append(detail)
+        file = _load(args.file)
+        loaded_ok, detail = _loaded_from_file(_load(args.run / "loaded.pt"), file)
+        not_restored = _not_restored(file, result["restored"])
+        ok &= loaded_ok and not not_restored
+        parts += [detail, *(not_restored or ["loops and ModelCheckpoint restored"])]
     if args.reference:
         same, detail = _compare_checkpoints(_load(args.run / "last.ckpt"), _load(args.reference), args.atol, args.rtol)
         ok &= same
         parts.append(f"vs {args.reference.parent.name}: {detail}")
-        not_restored = _not_restored(_load(args.file), result["restored"])
-        ok &= not not_restored
-        parts += not_restored or ["loops and ModelCheckpoint restored"]
     parts += [f"warning: {w}" for w in result["warnings"]]
     print(f"{'PASS' if ok else 'FAIL'} {args.name}: global_step {result['global_step']}; " + "; ".join(parts))
     return ok

@@ -42,9 +42,9 @@ class Model(pl.LightningModule):
     """``UNITS`` blocks of ``Linear + Tanh``, built in ``__init__`` (so the same keys exist on every strategy), on
     data that does not depend on the global RNG.
 
-    A global batch of ``GLOBAL_BATCH`` is split over the ranks: with Lightning's ``DistributedSampler`` (no shuffle)
-    the ranks' batches of a step together are the single device's batch, and the mean loss averaged over the ranks
-    is the single device's mean loss, so a 2-rank step and a 1-device step agree up to rounding.
+    A global batch of ``GLOBAL_BATCH`` is split over the ranks: rank r takes every ``devices``-th sample from the
+    r-th, so the ranks' batches of a step together are the single device's batch, and the mean loss averaged over
+    the ranks is the single device's mean loss, so a 2-rank step and a 1-device step agree up to rounding.
 
     Args:
         optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``.
@@ -67,8 +67,10 @@ class Model(pl.LightningModule):
         return nn.functional.mse_loss(prediction, torch.ones_like(prediction))
 
     def train_dataloader(self) -> DataLoader:
+        # Each rank's share is explicit: Lightning 1.6.5's DistributedSampler would shuffle (it does not keep a
+        # sequential sampler), and Lightning's sampler replacement is off (see ``fit``).
         data = torch.randn(SAMPLES, WIDTH, generator=torch.Generator().manual_seed(1234))
-        return DataLoader(data, batch_size=GLOBAL_BATCH // self.devices)
+        return DataLoader(data[self.global_rank :: self.devices], batch_size=GLOBAL_BATCH // self.devices)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adam":
@@ -145,6 +147,7 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(args.out),
+        **{"use_distributed_sampler" if pl.__version__.startswith("2.") else "replace_sampler_ddp": False},
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
