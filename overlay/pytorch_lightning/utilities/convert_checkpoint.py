@@ -22,12 +22,14 @@ import signal
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from tqdm import tqdm
 
 from pytorch_lightning.utilities.apply_func import apply_to_collection
@@ -39,6 +41,7 @@ from pytorch_lightning.utilities.atomic_save import (
 )
 from pytorch_lightning.utilities.cloud_io import load as pl_load
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.host_memory import format_bytes
 from pytorch_lightning.utilities.named_optimizer_state import named_optimizer_state
 from pytorch_lightning.utilities.types import _PATH
 
@@ -145,6 +148,7 @@ def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool) -> None:
     ) as bar:
         planner = _ProgressPlanner(bar, len(tensors))
         writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
+        writer.fs = files = _WriteErrorsRecorded()
         with warnings.catch_warnings():
             # ``no_dist=True`` is meant: one process writes every tensor
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
@@ -152,7 +156,36 @@ def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool) -> None:
                 dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
             except CheckpointException as ex:
                 # DCP wraps whatever its steps raise, Ctrl-C and a full disk alike: raise the error itself
-                raise next(iter(ex.failures.values()))[0] from None
+                raise (files.error or next(iter(ex.failures.values()))[0]) from None
+
+
+class _WriteErrorsRecorded(FileSystem):
+    """torch's local filesystem for DCP that remembers the first error a write raised: torch's zip writer reports
+    it as a position mismatch (``RuntimeError: ... unexpected pos``), which loses a full disk's ``ENOSPC``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: Optional[OSError] = None
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
+        with super().create_stream(path, mode) as stream:
+            yield _RecordingStream(stream, self) if "w" in mode else stream
+
+
+class _RecordingStream:
+    def __init__(self, stream: Any, files: _WriteErrorsRecorded) -> None:
+        self._stream, self._files = stream, files
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as ex:
+            self._files.error = self._files.error or ex
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _tensors(obj: Any) -> List[torch.Tensor]:
@@ -273,6 +306,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _free_space(folder: Path) -> str:
+    try:
+        return format_bytes(shutil.disk_usage(folder).free)
+    except OSError:
+        return "unknown"
+
+
 def _raise_on_termination(signum: int, frame: Any) -> None:
     # unwinds through ``convert_checkpoint``'s cleanup, as Ctrl-C does
     raise SystemExit(128 + signum)
@@ -288,8 +328,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         convert_checkpoint(args.src, args.dst, to=args.to, force=args.force, progress=args.progress)
     except MisconfigurationException as ex:
         parser.exit(2, f"{parser.prog}: error: {_one_line(ex)}\n")
-    except OSError as ex:
-        parser.exit(1, f"{parser.prog}: error: writing {args.dst} failed; nothing was written: {_one_line(ex)}\n")
+    except (OSError, RuntimeError) as ex:
+        # a ``RuntimeError`` from torch's writers may hide a full disk: say what is free
+        parser.exit(
+            1,
+            f"{parser.prog}: error: writing {args.dst} failed; nothing was written: {type(ex).__name__}:"
+            f" {_one_line(ex)} ({_free_space(args.dst.parent)} free on its filesystem)\n",
+        )
     except KeyboardInterrupt:
         parser.exit(128 + signal.SIGINT, f"{parser.prog}: interrupted; nothing was written\n")
     print(f"wrote {args.dst}", file=sys.stderr)

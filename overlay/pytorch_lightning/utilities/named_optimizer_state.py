@@ -7,7 +7,7 @@ API (``torch.distributed.checkpoint.state_dict``) loads into any model, plain, F
     named = named_optimizer_state(checkpoint["optimizer_states"][0])
     set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
-The view shares the checkpoint's tensors; it copies none.
+The view shares the checkpoint's tensors; it copies none (only the small dicts around them).
 """
 # fork-feature: fork/checkpoint-converter.patch
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -64,7 +64,9 @@ def named_optimizer_state(
     indices = [index for group in groups for index in group["params"]]
     _check_indices(indices, names, optimizer_state["state"])
     return {
-        "state": {names[index]: state for index, state in optimizer_state["state"].items()},
+        # new dicts around the same tensors: torch's ``set_optimizer_state_dict`` replaces values in the dicts it is
+        # given (with sharded tensors), which must not change the checkpoint's own state
+        "state": {names[index]: dict(state) for index, state in optimizer_state["state"].items()},
         "param_groups": [dict(group, params=[names[index] for index in group["params"]]) for group in groups],
     }
 
