@@ -66,23 +66,6 @@ def _fork_checkpoint(args: argparse.Namespace, optimizer: str) -> Path:
     return path
 
 
-def _single_device_checkpoint(args: argparse.Namespace, optimizer: str) -> Path:
-    """Until the fork's FSDP writes the portable layout: the checkpoint of a single-device fit on global rank 0, with
-    the parameter names the FSDP file will hold."""
-    path = args.out / f"{optimizer}-single.ckpt"
-    if global_rank() == 0:
-        model = _model(optimizer)
-        trainer = Trainer(**quiet_trainer_kwargs(args.out, 1, max_epochs=1))
-        trainer.fit(model)
-        trainer.save_checkpoint(path)
-        checkpoint = torch.load(path, weights_only=False)
-        names = [name for name, p in model.named_parameters() if p.requires_grad]
-        checkpoint["optimizer_states"][0]["param_names"] = names
-        torch.save(checkpoint, path)
-    dist.barrier()
-    return path
-
-
 def _plain(optimizer: str) -> Tuple[FSDPModel, torch.optim.Optimizer]:
     """The model as a plain torch job builds it (FairScale's ``wrap`` does nothing outside FSDP), and its optimizer."""
     model = _model(optimizer)
@@ -190,8 +173,6 @@ def fsdp2(args: argparse.Namespace) -> Dict[str, Any]:
     result: Dict[str, Any] = {}
     for optimizer in args.optimizers.split(","):
         path = _fork_checkpoint(args, optimizer)
-        if args.source == "single":
-            path = _single_device_checkpoint(args, optimizer)
         directory = args.out / f"{optimizer}.dcp"
         if global_rank() == 0:
             convert_checkpoint(path, directory, to="dcp", progress=False)
@@ -211,7 +192,6 @@ def fsdp2(args: argparse.Namespace) -> Dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizers", default="adam,sgd")
-    parser.add_argument("--source", choices=["fsdp", "single"], default="fsdp")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ TIMEOUT = 300
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
-    args = ("--optimizers", ",".join(OPTIMIZERS), "--source", "single")
-    return run_scenario(SCENARIOS, "fsdp2", out, *args, timeout=TIMEOUT - 60, grace=30)
+    return run_scenario(SCENARIOS, "fsdp2", out, "--optimizers", ",".join(OPTIMIZERS), timeout=TIMEOUT - 60, grace=30)
 
 
 @pytest.mark.timeout(TIMEOUT)
