@@ -296,7 +296,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Convert a Lightning checkpoint file into a layout another trainer loads, one tensor at a time"
         " from the memory-mapped file. Nothing is written unless the conversion succeeds.",
         epilog="targets: " + "; ".join(f"{name}: {fmt.help}" for name, fmt in FORMATS.items()) + ". The file is"
-        " loaded with torch.load(weights_only=True); PL_UNSAFE_CHECKPOINT_LOAD=1 unpickles a trusted file fully.",
+        " loaded with torch.load(weights_only=True); PL_UNSAFE_CHECKPOINT_LOAD=1 unpickles a trusted file fully. Exit"
+        " codes: 0 converted; 1 writing failed; 2 refused (DST exists, or SRC cannot be converted); 130 and 143"
+        " interrupted (SIGINT, SIGTERM). On failure nothing is written.",
     )
     parser.add_argument("src", type=Path, help="the checkpoint file (Trainer.save_checkpoint)")
     parser.add_argument("dst", type=Path, help="the path to write")
