@@ -108,15 +108,16 @@ def _start(*argv: Any, module: str = FAULTS) -> subprocess.Popen:
 
 
 def _wait_for_data_written(folder: Path, process: subprocess.Popen, timeout: float = 60) -> Path:
-    """The work directory of the conversion, once its data file holds bytes."""
+    """The work directory of the conversion, once it is writing tensors: its data file holds more than the pickled
+    values that DCP writes first (the groups' hyperparameters, a few KiB)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[0]
         for work in folder.glob(".*.converting"):
-            if any(f.stat().st_size > 0 for f in work.glob("*.distcp")):
+            if any(f.stat().st_size > 64 * 1024 for f in work.glob("*.distcp")):
                 return work
         time.sleep(0.02)
-    raise AssertionError("the conversion wrote no data in time")
+    raise AssertionError("the conversion wrote no tensors in time")
 
 
 def test_named_optimizer_state_shares_the_tensors(source):

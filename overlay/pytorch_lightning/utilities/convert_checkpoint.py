@@ -22,14 +22,12 @@ import signal
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
 from tqdm import tqdm
 
 from pytorch_lightning.utilities.apply_func import apply_to_collection
@@ -148,7 +146,6 @@ def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool) -> None:
     ) as bar:
         planner = _ProgressPlanner(bar, len(tensors))
         writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
-        writer.fs = files = _WriteErrorsRecorded()
         with warnings.catch_warnings():
             # ``no_dist=True`` is meant: one process writes every tensor
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
@@ -156,36 +153,21 @@ def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool) -> None:
                 dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
             except CheckpointException as ex:
                 # DCP wraps whatever its steps raise, Ctrl-C and a full disk alike: raise the error itself
-                raise (files.error or next(iter(ex.failures.values()))[0]) from None
+                raise _root_cause(next(iter(ex.failures.values()))[0]) from None
 
 
-class _WriteErrorsRecorded(FileSystem):
-    """torch's local filesystem for DCP that remembers the first error a write raised: torch's zip writer reports
-    it as a position mismatch (``RuntimeError: ... unexpected pos``), which loses a full disk's ``ENOSPC``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.error: Optional[OSError] = None
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
-        with super().create_stream(path, mode) as stream:
-            yield _RecordingStream(stream, self) if "w" in mode else stream
-
-
-class _RecordingStream:
-    def __init__(self, stream: Any, files: _WriteErrorsRecorded) -> None:
-        self._stream, self._files = stream, files
-
-    def write(self, data: Any) -> int:
-        try:
-            return self._stream.write(data)
-        except OSError as ex:
-            self._files.error = self._files.error or ex
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+def _root_cause(error: BaseException) -> BaseException:
+    """The error to raise for ``error``, which DCP's save raised: torch's zip writer replaces whatever a write raised
+    (``Ctrl-C``, a ``SIGTERM`` handler's ``SystemExit``, a full disk's ``OSError``) with ``RuntimeError: ...
+    unexpected pos`` when it closes the record; Python keeps the replaced error as ``__context__``."""
+    chain = [error]
+    while chain[-1].__context__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__context__)
+    for wanted in ((KeyboardInterrupt, SystemExit), OSError):
+        found = next((e for e in chain if isinstance(e, wanted)), None)
+        if found is not None:
+            return found
+    return error
 
 
 def _tensors(obj: Any) -> List[torch.Tensor]:
