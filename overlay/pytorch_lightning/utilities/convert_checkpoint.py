@@ -1,0 +1,328 @@
+"""Convert a Lightning checkpoint file into a layout another trainer loads, one tensor at a time:
+
+    python -m pytorch_lightning.utilities.convert_checkpoint last.ckpt last.dcp --to dcp
+
+``--to dcp`` writes a torch Distributed Checkpoint (DCP) directory holding ``{"model": <the state_dict>, "optim":
+<the optimizer state keyed by parameter name>}``, the layout torch's ``get_state_dict``/``set_state_dict`` and
+torchtitan use, so a torch FSDP or FSDP2 (``fully_shard``) job at any scale loads it with ``dcp.load`` (each rank
+reads only its shards) and ``set_state_dict``.
+
+The source is memory-mapped and the tensors are written one after the other, so the conversion needs about one
+tensor of memory beyond the file's pages in the page cache. The output is written into a temporary sibling
+directory (``.<DST>.<host id>.<pid>.<random>.converting``) and renamed to ``DST`` at the end: a conversion that fails
+or is interrupted leaves nothing, and the next conversion into the same folder removes what a killed one left.
+"""
+# fork-feature: fork/checkpoint-converter.patch
+import argparse
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
+from tqdm import tqdm
+
+from pytorch_lightning.utilities.apply_func import apply_to_collection
+from pytorch_lightning.utilities.atomic_save import (
+    _fsync_directory,
+    _process_exists,
+    _writer_host_id,
+    STALE_TEMPORARY_FILE_AGE,
+)
+from pytorch_lightning.utilities.cloud_io import load as pl_load
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.host_memory import format_bytes
+from pytorch_lightning.utilities.named_optimizer_state import named_optimizer_state
+from pytorch_lightning.utilities.types import _PATH
+
+#: a conversion's work directory (``converting``) or a ``--force``\\d destination being replaced (``replaced``)
+_WORK_DIRECTORY = re.compile(
+    r"^\..+\.(?P<host>[0-9a-f]{12})\.(?P<pid>[1-9][0-9]*)\.[0-9a-f]{8}\.(?:converting|replaced)$"
+)
+
+
+def convert_checkpoint(src: _PATH, dst: _PATH, to: str = "dcp", force: bool = False, progress: bool = True) -> None:
+    """Convert the Lightning checkpoint file ``src`` into ``dst`` in the layout ``to`` (see :data:`FORMATS`).
+
+    Args:
+        src: a checkpoint file written by ``Trainer.save_checkpoint`` (of this fork's FSDP strategy, or any
+            checkpoint whose optimizer state names its parameters, see
+            :func:`~pytorch_lightning.utilities.named_optimizer_state.named_optimizer_state`).
+        dst: the path to write; nothing is there until the conversion succeeded.
+        to: the target layout, a key of :data:`FORMATS`.
+        force: replace an existing ``dst``.
+        progress: show a progress bar (bytes and tensors written) on stderr.
+
+    Raises:
+        MisconfigurationException: ``dst`` exists and ``force`` is off, or ``src`` is not a checkpoint this layout
+            can express; nothing was written.
+    """
+    src, dst = Path(src), Path(dst)
+    if to not in FORMATS:
+        raise MisconfigurationException(f"Unknown target layout {to!r}; known: {', '.join(FORMATS)}.")
+    remove_stale_conversions(dst.parent)
+    if (dst.exists() or dst.is_symlink()) and not force:
+        raise MisconfigurationException(f"{dst} exists; pass `--force` (`force=True`) to replace it.")
+    state = FORMATS[to].prepare(_load(src), src)
+    work = _new_work_directory(dst, "converting")
+    try:
+        FORMATS[to].write(state, work, progress)
+        _move_into_place(work, dst, force)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _load(src: Path) -> Any:
+    """The checkpoint, its tensors memory-mapped (``torch.load(mmap=True, weights_only=True)`` through the fork's
+    safe loader: ``PL_UNSAFE_CHECKPOINT_LOAD=1`` unpickles a trusted file fully)."""
+    if not src.is_file():
+        raise MisconfigurationException(f"{src} is not a file.")
+    try:
+        return pl_load(str(src), map_location="cpu", mmap=True)
+    except Exception as ex:
+        raise MisconfigurationException(
+            f"{src} cannot be read as a PyTorch checkpoint: {type(ex).__name__}: {_one_line(ex)}"
+        ) from ex
+
+
+def _one_line(ex: BaseException) -> str:
+    return " ".join(str(ex).split())
+
+
+def _lightning_parts(checkpoint: Any, src: Path) -> Dict[str, Any]:
+    """``{"model": state_dict, "optim": named optimizer state}`` (``optim`` only if the file has an optimizer)."""
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        found = sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise MisconfigurationException(
+            f"{src} is not a Lightning checkpoint: it holds no `state_dict` (found {found})."
+        )
+    optimizer_states = checkpoint.get("optimizer_states") or []
+    if len(optimizer_states) > 1:
+        raise MisconfigurationException(
+            f"{src} holds {len(optimizer_states)} optimizer states; torch's state-dict layout holds one optimizer."
+        )
+    parts = {"model": checkpoint["state_dict"]}
+    if optimizer_states:
+        try:
+            parts["optim"] = named_optimizer_state(optimizer_states[0])
+        except MisconfigurationException as ex:
+            raise MisconfigurationException(f"{src}: {ex}") from ex
+    return apply_to_collection(parts, torch.Tensor, _standalone)
+
+
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on a storage of its own bytes, sharing them: DCP's writer clones a view into a larger storage (the
+    fork's optimizer state is views into one record per FSDP unit) and keeps every tensor of a file until the file
+    is written, which would hold the whole optimizer state in memory."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == tensor.nbytes or not tensor.is_contiguous():
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    own = storage[start : start + tensor.nbytes]
+    return torch.empty(0, dtype=tensor.dtype).set_(own, 0, tensor.shape, tensor.stride())
+
+
+def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` into ``directory`` by this process alone."""
+    tensors = _tensors(state)
+    with tqdm(
+        total=sum(t.nbytes for t in tensors),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="converting",
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=0.5,
+    ) as bar:
+        planner = _ProgressPlanner(bar, len(tensors))
+        writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
+        with warnings.catch_warnings():
+            # ``no_dist=True`` is meant: one process writes every tensor
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            try:
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+            except CheckpointException as ex:
+                # DCP wraps whatever its steps raise, Ctrl-C and a full disk alike: raise the error itself
+                raise _root_cause(next(iter(ex.failures.values()))[0]) from None
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The error to raise for ``error``, which DCP's save raised: torch's zip writer replaces whatever a write raised
+    (``Ctrl-C``, a ``SIGTERM`` handler's ``SystemExit``, a full disk's ``OSError``) with ``RuntimeError: ...
+    unexpected pos`` when it closes the record; Python keeps the replaced error as ``__context__``."""
+    chain = [error]
+    while chain[-1].__context__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__context__)
+    for wanted in ((KeyboardInterrupt, SystemExit), OSError):
+        found = next((e for e in chain if isinstance(e, wanted)), None)
+        if found is not None:
+            return found
+    return error
+
+
+def _tensors(obj: Any) -> List[torch.Tensor]:
+    found: List[torch.Tensor] = []
+    apply_to_collection(obj, torch.Tensor, found.append)
+    return found
+
+
+class _ProgressPlanner(DefaultSavePlanner):
+    """torch's default save planner, counting each tensor as the writer fetches it to write it."""
+
+    def __init__(self, bar: tqdm, count: int) -> None:
+        super().__init__()
+        self._bar, self._count, self._done = bar, count, 0
+
+    def resolve_data(self, write_item: Any) -> Any:
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor):
+            self._done += 1
+            self._bar.set_postfix_str(f"{self._done}/{self._count} tensors", refresh=False)
+            self._bar.update(data.nbytes)
+        return data
+
+
+class _Format:
+    """A target layout: ``prepare`` checks the loaded checkpoint and builds what ``write`` writes into a new
+    directory."""
+
+    def __init__(
+        self, help: str, prepare: Callable[[Any, Path], Any], write: Callable[[Any, Path, bool], None]
+    ) -> None:
+        self.help, self.prepare, self.write = help, prepare, write
+
+
+#: the layouts ``--to`` names
+FORMATS: Dict[str, _Format] = {
+    "dcp": _Format(
+        "a torch Distributed Checkpoint directory holding {'model': state_dict, 'optim': optimizer state by"
+        " parameter name}, as torch's get_state_dict/set_state_dict and torchtitan lay them out",
+        _lightning_parts,
+        _write_dcp,
+    ),
+}
+
+
+def _new_work_directory(dst: Path, kind: str) -> Path:
+    """A new, empty ``.<dst name>.<host id>.<pid>.<random>.<kind>`` next to ``dst``: the name says which process
+    writes it, so that :func:`remove_stale_conversions` can tell a conversion in progress from a killed one's."""
+    while True:
+        work = dst.parent / f".{dst.name}.{_writer_host_id()}.{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+        try:
+            work.mkdir()
+            return work
+        except FileExistsError:
+            continue
+
+
+def _move_into_place(work: Path, dst: Path, force: bool) -> None:
+    """Rename ``work`` to ``dst``; with ``force``, an existing ``dst`` is moved aside first and removed after."""
+    aside: Optional[Path] = None
+    if force and (dst.exists() or dst.is_symlink()):
+        aside = _new_work_directory(dst, "replaced")
+        os.replace(dst, aside / dst.name)
+    elif dst.exists() or dst.is_symlink():
+        raise MisconfigurationException(f"{dst} was created while converting; pass `--force` to replace it.")
+    try:
+        os.rename(work, dst)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside / dst.name, dst)
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    _fsync_directory(str(dst.parent))
+
+
+def remove_stale_conversions(folder: _PATH) -> List[str]:
+    """Remove the work directories that killed conversions left in ``folder`` and return their paths: those made on
+    this host (in this PID namespace) by a process that no longer exists, and those made elsewhere that have not been
+    modified for 24 hours.
+
+    Args:
+        folder: the folder of a conversion's destination.
+    """
+    host, removed = _writer_host_id(), []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _WORK_DIRECTORY.match(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        if match["host"] == host:
+            stale = not _process_exists(int(match["pid"]))
+        else:
+            stale = time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMPORARY_FILE_AGE.total_seconds()
+        if stale:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pytorch_lightning.utilities.convert_checkpoint",
+        description="Convert a Lightning checkpoint file into a layout another trainer loads, one tensor at a time"
+        " from the memory-mapped file. Nothing is written unless the conversion succeeds.",
+        epilog="targets: " + "; ".join(f"{name}: {fmt.help}" for name, fmt in FORMATS.items()) + ". The file is"
+        " loaded with torch.load(weights_only=True); PL_UNSAFE_CHECKPOINT_LOAD=1 unpickles a trusted file fully. Exit"
+        " codes: 0 converted; 1 writing failed; 2 refused (DST exists, or SRC cannot be converted); 130 and 143"
+        " interrupted (SIGINT, SIGTERM). On failure nothing is written.",
+    )
+    parser.add_argument("src", type=Path, help="the checkpoint file (Trainer.save_checkpoint)")
+    parser.add_argument("dst", type=Path, help="the path to write")
+    parser.add_argument("--to", required=True, choices=sorted(FORMATS), help="the target layout")
+    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="show no progress bar")
+    return parser
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return format_bytes(shutil.disk_usage(folder).free)
+    except OSError:
+        return "unknown"
+
+
+def _raise_on_termination(signum: int, frame: Any) -> None:
+    # unwinds through ``convert_checkpoint``'s cleanup, as Ctrl-C does
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            signal.signal(signum, _raise_on_termination)
+    try:
+        convert_checkpoint(args.src, args.dst, to=args.to, force=args.force, progress=args.progress)
+    except MisconfigurationException as ex:
+        parser.exit(2, f"{parser.prog}: error: {_one_line(ex)}\n")
+    except (OSError, RuntimeError) as ex:
+        # a ``RuntimeError`` from torch's writers may hide a full disk: say what is free
+        parser.exit(
+            1,
+            f"{parser.prog}: error: writing {args.dst} failed; nothing was written: {type(ex).__name__}:"
+            f" {_one_line(ex)} ({_free_space(args.dst.parent)} free on its filesystem)\n",
+        )
+    except KeyboardInterrupt:
+        parser.exit(128 + signal.SIGINT, f"{parser.prog}: interrupted; nothing was written\n")
+    print(f"wrote {args.dst}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
