@@ -14,6 +14,7 @@ import argparse
 import os
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -55,19 +56,21 @@ class PortableModel(ResumeModel):
             weight).
         hidden: the width between the blocks (default ``width``): another shape of the same parameters.
         outside: a parameter (``before``) and a linear layer (``head``) that are not wrapped, outside FSDP.
+        bias: whether the blocks' linear layers have a bias; without, each FSDP unit holds one parameter, so a flat
+            parameter's shard stands where the plain model's parameter would.
     """
 
     def __init__(self, *args: Any, groups: str = "one", hidden: Optional[int] = None, outside: bool = False,
-                 **kwargs: Any) -> None:
+                 bias: bool = True, **kwargs: Any) -> None:
         # read by ``_blocks``, which ``ResumeModel.__init__`` calls
-        self.hidden = hidden
+        self.hidden, self.bias = hidden, bias
         super().__init__(*args, extra_before=outside, **kwargs)
         self.groups = groups
         self.head = nn.Linear(self.width, self.width) if outside else None
 
     def _blocks(self) -> nn.Sequential:
         widths = [self.width] + [self.hidden or self.width] * (self.units - 1) + [self.width]
-        blocks = nn.Sequential(*[nn.Sequential(nn.Linear(widths[i], widths[i + 1]), nn.Tanh())
+        blocks = nn.Sequential(*[nn.Sequential(nn.Linear(widths[i], widths[i + 1], bias=self.bias), nn.Tanh())
                                  for i in range(self.units)])
         for index in self.frozen_blocks:
             blocks[index].requires_grad_(False)
@@ -117,6 +120,7 @@ def make_model(args: argparse.Namespace) -> LightningModule:
     return PortableModel(
         width=args.width, units=args.units, optimizer=args.optimizer, batches=4, build=args.build,
         frozen_blocks=tuple(args.frozen), groups=args.groups, hidden=args.hidden, outside=args.outside,
+        bias=not args.no_bias,
     )
 
 
@@ -211,6 +215,8 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
     if result["error"] is not None:
         return result
     optimizer = trainer.optimizers[0]
+    if args.legacy:
+        write_legacy(trainer, args.out / "ckpts" / f"epoch={args.epochs - 1}.ckpt", args.out / "legacy.ckpt")
     torch.save(
         {"params": full_parameters(model), "restored": record.entries, "final": optimizer_entries(model, optimizer)},
         args.out / f"rank{trainer.global_rank}.pt",
@@ -222,6 +228,16 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
         param_names=None if args.strategy == "fsdp" else plain_parameter_names(model, optimizer),
     )
     return result
+
+
+def write_legacy(trainer: Trainer, path: Path, legacy: Path) -> None:
+    """``legacy``: ``path`` (the last save of the run) with the optimizer state that Lightning 1.6.5 saved under
+    FSDP, global rank 0's own ``optimizer.state_dict()`` (over its shards of the flat parameters). Collective."""
+    if trainer.global_rank == 0:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint["optimizer_states"] = [optimizer.state_dict() for optimizer in trainer.optimizers]
+        torch.save(checkpoint, legacy)
+    trainer.strategy.barrier()  # no rank resumes from it before it is written
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -240,6 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frozen", type=int, nargs="*", default=[])
     parser.add_argument("--outside", action="store_true")
     parser.add_argument("--build", default="init", choices=["init", "sharded"])
+    parser.add_argument("--no-bias", action="store_true")
+    parser.add_argument("--legacy", action="store_true", help="also write the last file as Lightning 1.6.5 did")
 
 
 if __name__ == "__main__":

@@ -363,6 +363,31 @@ def test_previous_revision_file_resumes_with_its_optimizer_state(portable_runs):
     assert_same(restored, expected, "restored optimizer state")
 
 
+def plan_legacy(batches: ScenarioBatches) -> None:
+    two = batches.batch("two", 2, BATCHES["two"][1])
+    args = ("--optimizer", "adam", "--no-bias")
+    made = two.add("compat/legacy/save", "fit", "--strategy", "fsdp", *args, "--epochs", "1", "--legacy")
+    two.add("compat/legacy/load", "fit", "--strategy", "fsdp", *args, "--ckpt", made / "legacy.ckpt")
+
+
+@pytest.mark.timeout(TIMEOUT)
+@queues(plan_legacy)
+def test_lightning_165_file_starts_the_optimizer_state_fresh(portable_runs):
+    """A Lightning 1.6.5 FSDP file (rank 0's shard of the flat parameters) still starts the optimizer state fresh
+    with the warning, also where it holds as many tensors as the plain model has parameters (units of one
+    parameter): its 1-d shards do not have the parameters' shapes. (``test_ddp_fully_sharded_resume.py`` checks
+    the usual case.)"""
+    rank0, rank1 = succeeded(portable_runs, "compat/legacy/load")
+    legacy = load_checkpoint(portable_runs.folder("compat/legacy/save") / "legacy.ckpt")["optimizer_states"][0]
+    assert [len(group["params"]) for group in legacy["param_groups"]] == [2]  # as many as the plain model's
+    assert len(rank0["optimizer_warnings"]) == 1 and "1.6.5" in rank0["optimizer_warnings"][0], rank0
+    assert rank1["optimizer_warnings"] == []  # rank_zero_warn
+    for state in rank_states(portable_runs, "compat/legacy/load"):
+        assert [entry["state"] for entry in state["restored"]] == [{}, {}]  # started fresh, not rank 0's shard
+        lrs = [group["lr"] for group in legacy["param_groups"] for _ in group["params"]]
+        assert [entry["lr"] for entry in state["restored"]] == lrs  # the hyperparameters are the file's
+
+
 @RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("source", "target"), [("fsdp", "ddp"), ("ddp", "fsdp")])
