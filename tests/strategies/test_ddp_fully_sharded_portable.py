@@ -127,7 +127,8 @@ def named_state(entries_per_rank: List[List[Dict[str, Any]]]) -> Dict[str, Dict[
     """A run's full optimizer state by parameter name, from every rank's entries (see
     ``fsdp_portable_scenarios.optimizer_entries``): a flat parameter's shards are concatenated, their padding cut
     off and the result split into its original parameters, as FSDP lays them out; a 0-d value (Adam's ``step``) is
-    every original parameter's."""
+    every original parameter's. The state of a parameter that is not sharded (DDP, one outside FSDP) must be the
+    same on every rank."""
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for per_rank in zip(*entries_per_rank):
         names, shapes = per_rank[0]["names"], per_rank[0]["shapes"]
@@ -139,6 +140,7 @@ def named_state(entries_per_rank: List[List[Dict[str, Any]]]) -> Dict[str, Dict[
                 flat = torch.cat([entry["state"][key] for entry in per_rank])[: sum(numels)]
                 pieces = [piece.view(shape) for piece, shape in zip(flat.split(numels), shapes)]
             else:
+                assert all(torch.equal(entry["state"][key], value) for entry in per_rank), f"{names}: {key} per rank"
                 pieces = [value]
             for name, piece in zip(names, pieces):
                 state.setdefault(name, {})[key] = piece
