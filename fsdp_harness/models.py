@@ -2,7 +2,7 @@
 recommend for large models. Used by the CPU FSDP scenarios and the checkpoint-memory benchmark."""
 import contextlib
 import itertools
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -141,6 +141,24 @@ def full_parameters(module: torch.nn.Module, remove_duplicate: bool = True) -> D
             module.named_buffers(remove_duplicate=remove_duplicate),
         )
         return {_clean_key(name): tensor.detach().clone().cpu() for name, tensor in named}
+
+
+def optimizer_parameter_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> List[List[str]]:
+    """For each parameter of ``optimizer``, in ``optimizer.state_dict()``'s order, the names (state-dict keys) of the
+    original parameters it holds: several for an FSDP flat parameter, read from FairScale's own records of the
+    flattened parameters, one for a parameter outside FSDP, none for one the module does not hold."""
+    from fairscale.nn.misc import FlattenParamsWrapper
+
+    names = {}
+    for wrapper_name, wrapper in module.named_modules():
+        if isinstance(wrapper, FlattenParamsWrapper):
+            for flat in wrapper.flat_params:
+                names[id(flat)] = [
+                    _clean_key(".".join(part for part in (wrapper_name, module_name, name) if part))
+                    for module_name, _, name in flat._param_infos
+                ]
+    names.update({id(p): [_clean_key(n)] for n, p in module.named_parameters() if id(p) not in names})
+    return [names.get(id(p), []) for group in optimizer.param_groups for p in group["params"]]
 
 
 def _clean_key(name: str) -> str:

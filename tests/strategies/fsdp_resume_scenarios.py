@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.memory_sampler import MIB, PeakMemory
-from fsdp_harness.models import FSDPModel, full_parameters
+from fsdp_harness.models import FSDPModel, full_parameters, optimizer_parameter_names
 from fsdp_harness.scenario import global_rank, main
 from pytorch_lightning import Callback, LightningModule, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -225,7 +225,8 @@ def report(args: argparse.Namespace, trainer: Trainer, model: ResumeModel, **ext
     rank = trainer.global_rank
     params = full_parameters(model)
     optim = local_optimizer_states(trainer)
-    torch.save({"params": params, "optim": optim}, args.out / f"rank{rank}.pt")
+    pieces = [optimizer_parameter_names(model, optimizer) for optimizer in trainer.optimizers]
+    torch.save({"params": params, "optim": optim, "pieces": pieces}, args.out / f"rank{rank}.pt")
     result = {
         "rank": rank,
         "world_size": trainer.world_size,

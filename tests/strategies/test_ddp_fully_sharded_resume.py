@@ -6,7 +6,7 @@ creates and wraps its layers in ``configure_sharded_model``. The CPU tests' scen
 (``resume_runs``: 1 rank, 2 ranks, then 1 rank again for the files saved on 2); each test checks its own cases.
 """
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
@@ -68,24 +68,28 @@ def assert_same(actual: Any, expected: Any, what: str, atol: float = 0.0) -> Non
         assert actual == expected, f"{what}: {actual!r} != {expected!r}"
 
 
-def expected_shards(full_state: Dict[str, Any], world_size: int, rank: int) -> Dict[int, Dict[str, torch.Tensor]]:
-    """This rank's flat shard of a consolidated (unflattened) optimizer state, computed independently of FairScale:
-    the unflattened tensors of each flat parameter are concatenated in order, split into ``world_size`` chunks like
-    ``torch.chunk`` and the rank's chunk is zero-padded to the size of the first one, as FSDP shards parameters."""
-    flat_ids = sorted(set(full_state["param_id_map"].values()))
+def expected_shards(
+    saved: Dict[str, Any], pieces: List[List[str]], world_size: int, rank: int
+) -> Dict[int, Dict[str, torch.Tensor]]:
+    """This rank's flat shard of a saved (unflattened, name-keyed through ``param_names``) optimizer state, computed
+    independently of FairScale: the tensors of the original parameters that each flat parameter holds (``pieces``,
+    by optimizer index) are concatenated in order, split into ``world_size`` chunks like ``torch.chunk`` and the
+    rank's chunk is zero-padded to the size of the first one, as FSDP shards parameters."""
+    index = {name: i for i, name in enumerate(saved["param_names"])}
     shards: Dict[int, Dict[str, torch.Tensor]] = {}
-    for flat_id in flat_ids:
-        unflat_ids = sorted(u for u, f in full_state["param_id_map"].items() if f == flat_id)
-        names = full_state["state"][unflat_ids[0]].keys()
+    for flat_id, names in enumerate(pieces):
+        states = [saved["state"][index[name]] for name in names if index[name] in saved["state"]]
+        if not states:
+            continue
         shards[flat_id] = {}
-        for name in names:
-            values = [full_state["state"][u][name] for u in unflat_ids]
+        for key in states[0]:
+            values = [state[key] for state in states]
             if not isinstance(values[0], torch.Tensor) or values[0].dim() == 0:
-                shards[flat_id][name] = torch.as_tensor(float(values[0]))  # e.g. Adam's step: the same everywhere
+                shards[flat_id][key] = torch.as_tensor(float(values[0]))  # e.g. Adam's step: the same everywhere
                 continue
             chunks = list(torch.cat([v.flatten() for v in values]).chunk(world_size))
             chunk = chunks[rank] if rank < len(chunks) else chunks[0].new_empty(0)
-            shards[flat_id][name] = torch.nn.functional.pad(chunk, [0, chunks[0].numel() - chunk.numel()])
+            shards[flat_id][key] = torch.nn.functional.pad(chunk, [0, chunks[0].numel() - chunk.numel()])
     return shards
 
 
@@ -183,10 +187,18 @@ def test_exact_resume_with_several_outermost_fsdp_instances(resume_runs):
     Lightning's FSDP docs; the optimizer state is consolidated and re-sharded per instance."""
     check_exact_resume(resume_runs, "outermost")
     saved = load_checkpoint(resume_runs.folder("outermost/straight") / "ckpts" / "epoch=0.ckpt")
-    saved = saved["optimizer_states"][0]
-    assert len(saved["fsdp_roots"]) == 2  # one per block
-    for root_state in saved["fsdp_roots"]:
-        assert {"state", "param_groups", "param_id_map"} <= set(root_state)
+    check_plain_layout(saved)
+
+
+def check_plain_layout(checkpoint: Dict[str, Any]) -> None:
+    """The optimizer state is what a run without FSDP saves: one entry per original parameter, shaped like it, in the
+    model's order, named by ``param_names``."""
+    saved = checkpoint["optimizer_states"][0]
+    params = {name: value for name, value in checkpoint["state_dict"].items() if name in saved["param_names"]}
+    assert saved["param_names"] == list(params)
+    assert [i for group in saved["param_groups"] for i in group["params"]] == list(range(len(params)))
+    for i, state in saved["state"].items():
+        assert tuple(state["exp_avg"].shape) == tuple(params[saved["param_names"][i]].shape)
 
 
 RESHARD = [(2, 2), (2, 1), (1, 2)]
@@ -221,16 +233,14 @@ def check_resume_reshards(batches: ScenarioBatches, case: str, load_devices: int
     results = batches.results(f"{case}/load")
     assert all(r["world_size"] == load_devices for r in results)
     checkpoint = load_checkpoint(batches.folder(f"{case}/save") / "ckpts" / "epoch=0.ckpt")
-    full_state = checkpoint["optimizer_states"][0]["fsdp_roots"][0]
-    assert set(full_state) >= {"state", "param_groups", "param_id_map"}
-    # the consolidated state holds unflattened, full-size tensors, like the model's state dict
-    assert [tuple(s["exp_avg"].shape) for s in full_state["state"].values()] == [
-        tuple(v.shape) for v in checkpoint["state_dict"].values()
-    ]
+    # the saved state holds unflattened, full-size tensors, like the model's state dict
+    check_plain_layout(checkpoint)
+    saved = checkpoint["optimizer_states"][0]
     for rank in range(load_devices):
         state = rank_state(batches.folder(f"{case}/load"), rank)
         assert_same(state["params"], dict(checkpoint["state_dict"]), f"rank {rank} params")
-        assert_same(local_shards(state["optim"][0]), expected_shards(full_state, load_devices, rank), f"rank {rank}")
+        expected = expected_shards(saved, state["pieces"][0], load_devices, rank)
+        assert_same(local_shards(state["optim"][0]), expected, f"rank {rank}")
 
 
 def plan_test_from_checkpoint(batches: ScenarioBatches) -> None:
@@ -258,7 +268,7 @@ def plan_consolidate(batches: ScenarioBatches) -> None:
 @queues(plan_consolidate)
 def test_full_optimizer_state_only_on_rank_zero(resume_runs):
     rank0, rank1 = resume_runs.results("consolidate")
-    assert rank0["full_keys"] == ["fsdp_root_param_ids", "fsdp_roots", "param_groups", "state"]
+    assert rank0["full_keys"] == ["param_groups", "param_names", "state"]
     assert rank1["full_keys"] == []
     # consolidating leaves the live optimizer state as it was (FairScale turns ``step`` tensors into ints in place)
     assert rank0["local_state_unchanged"] and rank1["local_state_unchanged"]

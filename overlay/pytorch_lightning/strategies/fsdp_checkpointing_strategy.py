@@ -93,13 +93,12 @@ class _FSDPCheckpointingStrategy(DDPStrategy):
         onto global rank 0 one FSDP instance at a time, so no other rank ever holds the full optimizer state. This
         is a collective call: all ranks must call it.
 
-        The checkpoint holds, under ``"fsdp_roots"``, the consolidated state of each outermost FSDP instance in the
-        format of FairScale's ``gather_full_optim_state_dict`` (one entry per original parameter, so it can be
-        resumed with a different number of processes), under ``"fsdp_root_param_ids"`` which optimizer parameter
-        each flat parameter is, under ``"state"`` the state of the replicated parameters (those outside FSDP, the
-        same on every rank), and the optimizer's ``"param_groups"``. With ``flatten_parameters=False`` every rank's
-        local state is saved under ``"fsdp_per_rank"`` instead (see ``_optimizer_state_layout``). A LightningModule
-        without FSDP instances saves its optimizer state as is.
+        The checkpoint holds the state a run of the same LightningModule without FSDP saves (the optimizer's
+        ``state_dict()`` over the original parameters, in the plain model's order), plus ``"param_names"``, each
+        index's parameter name, so that it resumes under any strategy and world size (see
+        :mod:`~pytorch_lightning.strategies.fsdp_portable_optimizer_state`). With ``flatten_parameters=False``
+        every rank's local state is saved under ``"fsdp_per_rank"`` instead (see ``_optimizer_state_layout``). A
+        LightningModule without FSDP instances saves its optimizer state as is.
 
         Args:
             optimizer: the optimizer whose state is saved.
@@ -161,19 +160,23 @@ class _FSDPCheckpointingStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Loads each rank's part of the optimizer state saved by :meth:`optimizer_state`.
 
-        A consolidated state is re-sharded for the current world size, which may differ from the one it was saved
-        with. A per-rank state (``flatten_parameters=False``) needs the same world size. The state is placed on the
-        device of its parameter, so FSDP's ``cpu_offload`` keeps it on the CPU.
+        The state saved by :meth:`optimizer_state`, or by a run of the same LightningModule on another strategy
+        (a single device, DDP), is re-sharded into the FSDP flat parameters for the current world size, which may
+        differ from the one it was saved with; so is the consolidated state of fork revisions <= 80. A per-rank
+        state (``flatten_parameters=False``) needs the same world size. The state is placed on the device of its
+        parameter, so FSDP's ``cpu_offload`` keeps it on the CPU.
 
-        Checkpoints written by Lightning <= 1.6.5 hold only global rank 0's shard of the optimizer state. Their
-        per-parameter state (e.g. Adam's moments, SGD's momentum) cannot be restored and is left freshly
-        initialized, with a warning; the param group hyperparameters (e.g. the learning rate) are restored.
+        Checkpoints written by Lightning <= 1.6.5 hold only global rank 0's shard of the optimizer state (told apart
+        by their counts and shapes). Their per-parameter state (e.g. Adam's moments, SGD's momentum) cannot be
+        restored and is left freshly initialized, with a warning; the param group hyperparameters (e.g. the
+        learning rate) are restored.
 
         Args:
             checkpoint: the loaded checkpoint, whose ``"optimizer_states"`` hold what :meth:`optimizer_state` saved.
 
         Raises:
             MisconfigurationException:
-                If the checkpoint's optimizer state does not fit the LightningModule's FSDP layout or processes.
+                If the checkpoint's optimizer state does not fit the LightningModule's parameters, param groups, FSDP
+                layout or processes; the message names the first mismatch.
         """
         self._checkpointer.load_optimizer_state_dict(checkpoint)

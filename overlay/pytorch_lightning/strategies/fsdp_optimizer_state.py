@@ -8,13 +8,22 @@ class and checkpointer) and ``configure_ddp``, which checks the layout.
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TYPE_CHECKING
 
 import torch
+from torch.nn import Module
 from torch.optim import Optimizer
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
 from pytorch_lightning.utilities.apply_func import apply_to_collection
+from pytorch_lightning.strategies import fsdp_portable_optimizer_state
 from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives
 from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances, _outermost_fsdp_instances
+from pytorch_lightning.strategies.fsdp_portable_optimizer_state import (
+    _check_optimizer_state_fits,
+    _is_rank_zero_shard,
+    _load_hyperparameters_of_rank_zero_shard,
+    _load_portable_optimizer_state,
+    _portable_optimizer_state,
+)
 from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard, _gather_to_first_rank, _PeerFailed
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -57,7 +66,7 @@ def _optimizer_state(strategy: "DDPFullyShardedStrategy", optimizer: Optimizer) 
         # gathered later, while the checkpoint is written: placeholders stand for the FSDP parameters' state
         if strategy.global_rank != 0:
             return _optimizer_state_off_rank_zero(optimizer, strategy.state_dict_on_rank_0_only)
-        return _streamed_optimizer_state(optimizer, stream, _outermost_fsdp_instances(strategy.lightning_module))
+        return _streamed_optimizer_state(strategy.lightning_module, optimizer, stream)
     session = strategy._checkpoint_state.gathering_session()
     if session is not None and session.abandoned:
         # this save already failed on every rank (a rank lacks the host memory for it, or a gather failed on one,
@@ -95,7 +104,7 @@ def _consolidated_optimizer_state(
         return {}
     if strategy.global_rank != 0:
         return _optimizer_state_off_rank_zero(optimizer, strategy.state_dict_on_rank_0_only)
-    return _checkpointed_optimizer_state(state, consolidated, root_param_ids)
+    return _checkpointed_optimizer_state(strategy.lightning_module, optimizer, roots, consolidated, root_param_ids)
 
 
 def _consolidate_optimizer_state(
@@ -150,6 +159,7 @@ def _gather_local_optimizer_states(
 
 def _load_optimizer_state_dict(strategy: "DDPFullyShardedStrategy", checkpoint: Mapping[str, Any]) -> None:
     """``DDPFullyShardedStrategy.load_optimizer_state_dict`` (see its docstring)."""
+    module = strategy.lightning_module
     layout = _optimizer_state_layout_of(strategy)
     for optimizer, opt_state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
         if "fsdp_per_rank" in opt_state:
@@ -167,8 +177,9 @@ def _load_optimizer_state_dict(strategy: "DDPFullyShardedStrategy", checkpoint: 
                     "The checkpoint holds the optimizer state of FSDP instances, but the LightningModule has none."
                     " Wrap the model as it was wrapped when the checkpoint was saved."
                 )
+            _check_optimizer_state_fits(module, optimizer, opt_state)
             optimizer.load_state_dict(opt_state)
-        elif _is_rank_zero_shard(opt_state):
+        elif layout == "per_rank" and _is_rank_zero_shard(optimizer, opt_state):
             _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
         elif layout == "per_rank":
             raise MisconfigurationException(
@@ -176,8 +187,12 @@ def _load_optimizer_state_dict(strategy: "DDPFullyShardedStrategy", checkpoint: 
                 " `flatten_parameters=True`, but the LightningModule has FSDP instances with"
                 " `flatten_parameters=False`."
             )
-        else:
+        elif "fsdp_roots" in opt_state or "param_id_map" in opt_state:
+            # the consolidated layout of fork revisions <= 80
             optimizer.load_state_dict(_reshard_optimizer_state(strategy, optimizer, opt_state))
+        else:
+            # the portable layout, or the optimizer state of a run without FSDP (or of Lightning 1.6.5's FSDP)
+            _load_portable_optimizer_state(module, optimizer, opt_state)
 
 
 def _reshard_optimizer_state(
@@ -228,11 +243,10 @@ def _optimizer_state_off_rank_zero(optimizer: Optimizer, state_dict_on_rank_0_on
     return {} if state_dict_on_rank_0_only else optimizer.state_dict()
 
 
-def _streamed_optimizer_state(
-    optimizer: Optimizer, stream: "_CheckpointStream", roots: List["FullyShardedDataParallel"]
-) -> Dict[str, Any]:
+def _streamed_optimizer_state(module: Module, optimizer: Optimizer, stream: "_CheckpointStream") -> Dict[str, Any]:
     """What ``optimizer_state`` returns on global rank 0, with placeholders in ``stream`` instead of the FSDP
     parameters' optimizer state, which is gathered when the checkpoint is written."""
+    roots = _outermost_fsdp_instances(module)
     state = optimizer.state_dict()
     root_param_ids = _optimizer_root_param_ids(optimizer, roots)
     index = len(stream.optimizer_states)
@@ -240,7 +254,7 @@ def _streamed_optimizer_state(
         _streamed_root_optimizer_state(root, _root_optimizer_state(state, ids), stream, (index, j))
         for j, (root, ids) in enumerate(zip(roots, root_param_ids))
     ]
-    optimizer_state = _checkpointed_optimizer_state(state, consolidated, root_param_ids)
+    optimizer_state = _checkpointed_optimizer_state(module, optimizer, roots, consolidated, root_param_ids)
     stream.optimizer_states.append(optimizer_state)
     return optimizer_state
 
@@ -276,11 +290,18 @@ def _streamed_root_optimizer_state(
 
 
 def _checkpointed_optimizer_state(
-    state: Dict[str, Any], consolidated: List[Any], root_param_ids: List[List[Optional[int]]]
+    module: Module,
+    optimizer: Optimizer,
+    roots: List["FullyShardedDataParallel"],
+    consolidated: List[Dict[str, Any]],
+    root_param_ids: List[List[Optional[int]]],
 ) -> Dict[str, Any]:
-    """What the checkpoint holds of an optimizer (see ``DDPFullyShardedStrategy.optimizer_state``): the state of
-    the replicated parameters from ``state`` (``optimizer.state_dict()``), the param groups, and the ``consolidated``
-    state of each outermost FSDP instance with its flat parameters' indices into the optimizer."""
+    """What the checkpoint holds of an optimizer (see ``DDPFullyShardedStrategy.optimizer_state``), from the
+    ``consolidated`` state of each outermost FSDP instance of ``roots`` in FairScale's format: the portable state (see
+    :mod:`.fsdp_portable_optimizer_state`), or with ``PORTABLE_LAYOUT`` off the layout of fork revisions <= 80."""
+    state = optimizer.state_dict()
+    if fsdp_portable_optimizer_state.PORTABLE_LAYOUT:
+        return _portable_optimizer_state(module, optimizer, state, _piece_states(roots, consolidated))
     sharded = {i for param_ids in root_param_ids for i in param_ids if i is not None}
     return {
         "state": {i: buffers for i, buffers in state["state"].items() if i not in sharded},
@@ -290,19 +311,22 @@ def _checkpointed_optimizer_state(
     }
 
 
-def _load_hyperparameters_of_rank_zero_shard(optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
-    """Load the param groups' hyperparameters of an optimizer state saved by Lightning <= 1.6.5 (global rank 0's
-    shard), and warn that its per-parameter state cannot be restored."""
-    rank_zero_warn(
-        "The checkpoint's optimizer state is a plain `optimizer.state_dict()`, not the consolidated state"
-        " `DDPFullyShardedStrategy` saves now: Lightning <= 1.6.5 saved global rank 0's shard of the FSDP"
-        " parameters there, so loading it would give every rank rank 0's state. The per-parameter state of"
-        f" `{type(optimizer).__name__}` (e.g. momentum or"
-        " running averages) is therefore not restored and starts fresh; its hyperparameters (e.g. the"
-        " learning rate) are restored, and the model weights are loaded as usual."
-    )
-    for group, saved_group in zip(optimizer.param_groups, opt_state["param_groups"]):
-        group.update({key: value for key, value in saved_group.items() if key != "params"})
+def _piece_states(
+    roots: List["FullyShardedDataParallel"], consolidated: List[Dict[str, Any]]
+) -> Dict[Tuple[int, int], Dict[str, Any]]:
+    """The state of each original parameter in the ``consolidated`` states of ``roots`` (FairScale numbers them
+    over the root's FSDP instances, in the order of each flat parameter's pieces), by ``(id(flat parameter), piece)``."""
+    from fairscale.nn.data_parallel import get_fsdp_instances
+
+    pieces = {}
+    for root, root_state in zip(roots, consolidated):
+        global_id = 0
+        for instance in get_fsdp_instances(root, skip_empty=True):
+            for piece in range(instance.num_params_managed):
+                if global_id in root_state["state"]:
+                    pieces[(id(instance.params[0]), piece)] = root_state["state"][global_id]
+                global_id += 1
+    return pieces
 
 
 def _optimizer_state_layout(instances: List["FullyShardedDataParallel"]) -> str:
@@ -575,13 +599,3 @@ class _StateDictProvider:
 
     def state_dict(self) -> Dict[str, Any]:
         return self._state
-
-
-def _is_rank_zero_shard(optimizer_state: Mapping[str, Any]) -> bool:
-    """Whether an optimizer state was saved as a rank's local shard (by Lightning <= 1.6.5), not consolidated.
-
-    Consolidated states carry ``fsdp_roots`` (or, as written by earlier versions of this strategy, FairScale's
-    ``param_id_map`` and ``uncollected_local_ids``); the plain ``optimizer.state_dict()`` of a shard has none.
-    """
-    markers = {"param_id_map", "uncollected_local_ids", "fsdp_roots", "fsdp_per_rank"}
-    return "param_groups" in optimizer_state and not markers & set(optimizer_state)

@@ -1,0 +1,356 @@
+"""The portable optimizer state: ``DDPFullyShardedStrategy`` saves the optimizer state that a run of the same
+LightningModule without FSDP would save, so that the file resumes under any strategy, and loads such a state (from
+either) into its flat parameters, for any world size.
+
+FairScale flattens the parameters of each FSDP unit into one flat parameter, so the optimizer of an FSDP run holds
+one state per unit. The checkpoint holds one per original parameter instead, in the plain model's order (recovered
+from the wrapped module tree: FSDP's own order differs, the root unit's flat parameter comes first):
+
+- ``"state"`` and ``"param_groups"`` are ``optimizer.state_dict()`` of the plain model's optimizer, so
+  ``Optimizer.load_state_dict`` loads them as they are (a single device, DDP, Lightning 2.x);
+- ``"param_names"`` names each index (the LightningModule's state-dict key), for loaders that key the state by name
+  (torch's ``set_optimizer_state_dict``, see :mod:`pytorch_lightning.utilities.named_optimizer_state`).
+
+The state tensors of one FSDP unit stay views into one record per state key, so the file is written streamed, at the
+same memory as before. FairScale puts one ``requires_grad`` and one dtype in each flat parameter, so under FSDP a
+param group holds whole units: a plain run's group that splits a unit cannot be restored, and raises.
+
+The hooks are ``DDPFullyShardedStrategy.optimizer_state`` and ``load_optimizer_state_dict`` (through the fork's
+:mod:`.fsdp_optimizer_state`) and ``Strategy.load_optimizer_state_dict``, which checks that a state fits before the
+optimizer loads it.
+"""
+# fork-feature: fork/portable-optimizer-state.patch
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from pytorch_lightning.strategies.fsdp_introspection import _clean_fsdp_key, _flat_parameter_pieces, _fsdp_instances
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+
+#: Whether FSDP saves write the portable layout. ``False`` only in the checkpoint-memory benchmark, which measures
+#: the consolidated layout of fork revisions <= 80 (FairScale's, per FSDP root) side by side with it.
+PORTABLE_LAYOUT = True
+
+#: The keys of the optimizer-state layouts that only ``DDPFullyShardedStrategy`` reads (fork revisions <= 80).
+_FSDP_ONLY_KEYS = ("fsdp_roots", "param_id_map", "fsdp_per_rank")
+
+#: Where a plain parameter lives in the wrapped model: ``("piece", id(flat parameter), index of the piece)`` or
+#: ``("param", id(parameter))`` for one outside FSDP.
+_Source = Tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _PlainParameter:
+    """A parameter of the LightningModule as a run without FSDP has it: its state-dict key and shape."""
+
+    name: str
+    shape: torch.Size
+    source: _Source
+
+
+@dataclass
+class _PortableLayout:
+    """How one optimizer's state maps between the plain model and the optimizer's own parameters.
+
+    Args:
+        parameters: the plain parameters by portable index.
+        groups: for each param group, its portable indices.
+        members: for each param group, each of the optimizer's parameters in it (by its index in
+            ``optimizer.state_dict()``) with the portable indices it holds: several for a flat parameter.
+    """
+
+    parameters: List[_PlainParameter]
+    groups: List[List[int]]
+    members: List[List[Tuple[int, List[int]]]]
+
+
+def _plain_parameters(module: Module) -> List[_PlainParameter]:
+    """The parameters of ``module`` as ``module.named_parameters()`` lists them without FSDP: in the order of its
+    module tree, each once (a weight tied inside an FSDP unit is one piece of its flat parameter)."""
+    instances = _fsdp_instances(module)
+    pieces = _flat_parameter_pieces(instances)
+    flat_ids = {id(flat) for instance in instances for flat in instance.params}
+    plain: List[_PlainParameter] = []
+    seen = set()
+    for module_name, submodule in module.named_modules():
+        prefix = _clean_fsdp_key(module_name)
+        named = [(name, shape, ("piece", *source)) for name, shape, _, source in pieces.get(id(submodule), [])]
+        named += [
+            (name, param.shape, ("param", id(param)))
+            for name, param in submodule.named_parameters(recurse=False)
+            if id(param) not in flat_ids
+        ]
+        for name, shape, source in named:
+            if source not in seen:
+                seen.add(source)
+                plain.append(_PlainParameter(f"{prefix}.{name}" if prefix else name, shape, source))
+    return plain
+
+
+def _portable_layout(module: Module, optimizer: Optimizer) -> _PortableLayout:
+    """The layout of ``optimizer``'s portable state for ``module``: each group's plain parameters in the plain
+    model's order; under FSDP a flat parameter stands for the original parameters it holds."""
+    plain = _plain_parameters(module)
+    position = {p.source: k for k, p in enumerate(plain)}
+    flats = {id(flat) for instance in _fsdp_instances(module) for flat in instance.params}
+    members: List[List[Tuple[int, List[int]]]] = []
+    index = 0
+    for group in optimizer.param_groups:
+        entries = []
+        for param in group["params"]:
+            if id(param) in flats:
+                sources = [("piece", id(param), i) for i in range(len(param._param_infos))]
+            else:
+                sources = [("param", id(param))]
+            if any(source not in position for source in sources):
+                raise MisconfigurationException(
+                    f"The optimizer `{type(optimizer).__name__}` holds a parameter of shape {tuple(param.shape)} that"
+                    " is not a parameter of the LightningModule, so its state cannot be saved under a name."
+                )
+            entries.append((index, [position[source] for source in sources]))
+            index += 1
+        members.append(entries)
+    order: List[int] = []
+    groups: List[List[int]] = []
+    for entries in members:
+        positions = sorted(k for _, ks in entries for k in ks)
+        groups.append(list(range(len(order), len(order) + len(positions))))
+        order.extend(positions)
+    portable_index = {k: i for i, k in enumerate(order)}
+    return _PortableLayout(
+        parameters=[plain[k] for k in order],
+        groups=groups,
+        members=[[(j, [portable_index[k] for k in ks]) for j, ks in entries] for entries in members],
+    )
+
+
+def _is_param_shaped(value: Any) -> bool:
+    """Whether an entry of a parameter's optimizer state is a tensor shaped like the parameter (FairScale's rule:
+    every tensor that is not a 0-d ``step``-like value), as opposed to a value shared by a flat parameter's pieces."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _own_copy(value: Any) -> Any:
+    # each plain parameter gets its own ``step``: torch's Adam increments it in place
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+
+
+def _portable_optimizer_state(
+    module: Module, optimizer: Optimizer, state: Dict[str, Any], pieces: Mapping[Tuple[int, int], Dict[str, Any]]
+) -> Dict[str, Any]:
+    """The portable state of ``optimizer`` (see the module docstring) on global rank 0.
+
+    Args:
+        module: the LightningModule.
+        optimizer: its optimizer.
+        state: ``optimizer.state_dict()``: the state of the parameters outside FSDP, the groups' hyperparameters and
+            each flat parameter's values shared by its pieces (``step``).
+        pieces: the full (gathered, or placeholder) state of each piece of a flat parameter with state, by
+            ``(id(flat parameter), index of the piece)``: tensors shaped like the original parameter.
+    """
+    layout = _portable_layout(module, optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    portable: Dict[int, Dict[str, Any]] = {}
+    for entries in layout.members:
+        for j, indices in entries:
+            local = state["state"].get(j)
+            if local is None:
+                continue  # no state (frozen or unused), as in a plain run
+            if len(indices) == 1 and layout.parameters[indices[0]].source[0] == "param":
+                portable[indices[0]] = local
+                continue
+            shared = {key: value for key, value in local.items() if not _is_param_shaped(value)}
+            for piece, i in enumerate(indices):
+                entry = {key: value for key, value in pieces[(id(params[j]), piece)].items() if _is_param_shaped(value)}
+                entry.update({key: _own_copy(value) for key, value in shared.items()})
+                portable[i] = entry
+    return {
+        "state": {i: portable[i] for i in sorted(portable)},
+        "param_groups": [
+            dict(_hyperparameters(group), params=indices)
+            for group, indices in zip(state["param_groups"], layout.groups)
+        ],
+        "param_names": [p.name for p in layout.parameters],
+    }
+
+
+def _hyperparameters(group: Mapping[str, Any]) -> Dict[str, Any]:
+    # torch's own ``param_names`` name the optimizer's parameters, the flat ones under FSDP: never carried across
+    return {key: value for key, value in group.items() if key not in ("params", "param_names")}
+
+
+def _first_mismatch(
+    expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any], exact_shapes: bool
+) -> Optional[str]:
+    """What first keeps the saved optimizer state ``opt_state`` (``optimizer.state_dict()``-like, optionally with
+    ``"param_names"``) from mapping onto the parameters ``expected`` in each param group, or ``None`` if it maps.
+
+    With ``exact_shapes``, every state tensor must have its parameter's shape (FSDP re-shards them all); otherwise
+    only one with as many dimensions as its parameter is compared (optimizers such as LBFGS or factored ones keep
+    state of other shapes).
+    """
+    saved_groups = opt_state["param_groups"]
+    if len(saved_groups) != len(expected):
+        return f"the checkpoint has {len(saved_groups)} param groups, the optimizer {len(expected)}"
+    names = opt_state.get("param_names")
+    for g, (saved_group, params) in enumerate(zip(saved_groups, expected)):
+        saved = list(saved_group["params"])
+        if len(saved) != len(params):
+            return _group_size_mismatch(g, saved, params, names)
+        for saved_index, param in zip(saved, params):
+            if names is not None and names[saved_index] != param.name:
+                return (
+                    f"param group {g} holds {names[saved_index]!r} in the checkpoint where the optimizer holds"
+                    f" {param.name!r}"
+                )
+            for key, value in opt_state["state"].get(saved_index, {}).items():
+                if not _is_param_shaped(value) or value.shape == param.shape:
+                    continue
+                if exact_shapes or value.dim() == len(param.shape):
+                    return (
+                        f"{param.name!r}: the checkpoint's `{key}` has shape {tuple(value.shape)}, the parameter"
+                        f" {tuple(param.shape)}"
+                    )
+    return None
+
+
+def _group_size_mismatch(
+    g: int, saved: List[int], params: Sequence[_PlainParameter], names: Optional[List[str]]
+) -> str:
+    message = f"param group {g} holds {len(saved)} parameters in the checkpoint but {len(params)} in the optimizer"
+    if names is not None:
+        here = {p.name for p in params}
+        extra = [names[i] for i in saved if names[i] not in here]
+        if extra:
+            return f"{message}; the first one only the checkpoint has there: {extra[0]!r}"
+    if params:
+        return f"{message}, whose first is {params[0].name!r}"
+    return message
+
+
+def _mismatch_error(optimizer: Optimizer, mismatch: str, hint: str = "") -> MisconfigurationException:
+    return MisconfigurationException(
+        f"The checkpoint's state of the optimizer `{type(optimizer).__name__}` does not fit the LightningModule:"
+        f" {mismatch}. Create the model and its optimizer as they were when the checkpoint was saved.{hint}"
+    )
+
+
+_FSDP_GROUPS_HINT = (
+    " Under `DDPFullyShardedStrategy` a param group holds whole FSDP units (FairScale flattens each unit into one"
+    " parameter with one `requires_grad`), so a group that splits a unit, such as no weight decay on the biases"
+    " inside it, cannot be restored: align the groups with the units."
+)
+
+
+def _check_optimizer_state_fits(module: Module, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
+    """Raise, naming the first mismatch, unless the saved ``opt_state`` maps onto ``optimizer`` of the unsharded
+    ``module`` (any strategy but FSDP's flat parameters), before ``optimizer.load_state_dict`` loads it by position.
+
+    Raises:
+        MisconfigurationException: if it holds a layout only ``DDPFullyShardedStrategy`` reads, or does not map.
+    """
+    if any(key in opt_state for key in _FSDP_ONLY_KEYS):
+        raise MisconfigurationException(
+            "The checkpoint's optimizer state was saved by `DDPFullyShardedStrategy` of a fork revision before 81,"
+            " in a layout only that strategy reads. Resume it once with `strategy=\"fsdp\"` and save it again: the"
+            " fork now saves an optimizer state that any strategy loads."
+        )
+    if "param_groups" not in opt_state:
+        return  # a custom optimizer's own format: its ``load_state_dict`` judges it
+    names = {id(param): name for name, param in module.named_parameters()}
+    expected = [
+        [_PlainParameter(names.get(id(p), f"<not in the model: {tuple(p.shape)}>"), p.shape, ()) for p in g["params"]]
+        for g in optimizer.param_groups
+    ]
+    mismatch = _first_mismatch(expected, opt_state, exact_shapes=False)
+    if mismatch is not None:
+        raise _mismatch_error(optimizer, mismatch)
+
+
+def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
+    """Load a portable (or a plain run's) optimizer state into ``optimizer`` over the FSDP flat parameters of
+    ``module``: each rank takes its shard of each flat parameter, from the pieces of the original parameters it holds,
+    copying only that shard's elements. A Lightning 1.6.5 FSDP file (rank 0's own shard, told apart by its counts
+    and shapes) restores only the hyperparameters, with a warning."""
+    layout = _portable_layout(module, optimizer)
+    expected = [[layout.parameters[i] for i in indices] for indices in layout.groups]
+    mismatch = _first_mismatch(expected, opt_state, exact_shapes=True)
+    if mismatch is not None:
+        if _is_rank_zero_shard(optimizer, opt_state):
+            _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
+            return
+        raise _mismatch_error(optimizer, mismatch, _FSDP_GROUPS_HINT)
+    saved_index = {
+        i: saved
+        for indices, group in zip(layout.groups, opt_state["param_groups"])
+        for i, saved in zip(indices, group["params"])
+    }
+    instance_of = {id(flat): instance for instance in _fsdp_instances(module) for flat in instance.params}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: Dict[int, Dict[str, Any]] = {}
+    for entries in layout.members:
+        for j, indices in entries:
+            saved = [opt_state["state"].get(saved_index[i]) for i in indices]
+            if all(entry is None for entry in saved):
+                continue
+            if any(entry is None for entry in saved):
+                missing = layout.parameters[indices[[entry is None for entry in saved].index(True)]].name
+                raise _mismatch_error(
+                    optimizer,
+                    f"{missing!r} has no state in the checkpoint, but other parameters of its FSDP unit have",
+                    _FSDP_GROUPS_HINT,
+                )
+            instance = instance_of.get(id(params[j]))
+            state[j] = saved[0] if instance is None else _shard_of_pieces(instance, saved)
+    optimizer.load_state_dict(
+        {
+            "state": state,
+            "param_groups": [
+                dict(_hyperparameters(saved_group), params=[j for j, _ in entries])
+                for saved_group, entries in zip(opt_state["param_groups"], layout.members)
+            ],
+        }
+    )
+
+
+def _shard_of_pieces(instance: Any, pieces: List[Mapping[str, Any]]) -> Dict[str, Any]:
+    """This rank's state of the flat parameter of the FSDP ``instance`` from the states of its ``pieces``."""
+    from pytorch_lightning.strategies.fsdp_optimizer_state import _flat_slice
+
+    return {
+        key: _flat_slice([p[key].reshape(-1) for p in pieces], instance.rank, instance.world_size)
+        if _is_param_shaped(value)
+        else _own_copy(value)
+        for key, value in pieces[0].items()
+    }
+
+
+def _is_rank_zero_shard(optimizer: Optimizer, opt_state: Mapping[str, Any]) -> bool:
+    """Whether a plain ``optimizer.state_dict()`` is global rank 0's own shard over FSDP flat parameters, as
+    Lightning <= 1.6.5 saved it: one entry per flat parameter in each group, and only flat (1-d) tensors."""
+    groups = opt_state["param_groups"]
+    if len(groups) != len(optimizer.param_groups) or "param_names" in opt_state:
+        return False
+    if any(len(s["params"]) != len(g["params"]) for s, g in zip(groups, optimizer.param_groups)):
+        return False
+    values = [v for entry in opt_state["state"].values() for v in entry.values() if _is_param_shaped(v)]
+    return all(v.dim() == 1 for v in values)
+
+
+def _load_hyperparameters_of_rank_zero_shard(optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
+    """Load the param groups' hyperparameters of an optimizer state saved by Lightning <= 1.6.5 (global rank 0's
+    shard), and warn that its per-parameter state cannot be restored."""
+    rank_zero_warn(
+        "The checkpoint's optimizer state is a plain `optimizer.state_dict()`, not the consolidated state"
+        " `DDPFullyShardedStrategy` saves now: Lightning <= 1.6.5 saved global rank 0's shard of the FSDP"
+        " parameters there, so loading it would give every rank rank 0's state. The per-parameter state of"
+        f" `{type(optimizer).__name__}` (e.g. momentum or"
+        " running averages) is therefore not restored and starts fresh; its hyperparameters (e.g. the"
+        " learning rate) are restored, and the model weights are loaded as usual."
+    )
+    for group, saved_group in zip(optimizer.param_groups, opt_state["param_groups"]):
+        group.update(_hyperparameters(saved_group))
