@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
-from fsdp_harness.models import _clean_key, full_parameters
+from fsdp_harness.models import _clean_key, full_parameters, optimizer_parameter_names
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
 from pytorch_lightning import Callback, LightningModule, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -124,37 +124,18 @@ def make_model(args: argparse.Namespace) -> LightningModule:
     )
 
 
-def _flat_parameter_names(module: nn.Module) -> Dict[int, Dict[str, Any]]:
-    """For each FairScale flat parameter in ``module`` (by ``id``): the names (state-dict keys) and shapes of the
-    original parameters it holds, in its order."""
-    from fairscale.nn.misc import FlattenParamsWrapper
-
-    flat: Dict[int, Dict[str, Any]] = {}
-    for prefix, wrapper in module.named_modules():
-        if isinstance(wrapper, FlattenParamsWrapper):
-            for param in wrapper.flat_params:
-                names = [_clean_key(".".join(part for part in (prefix, path, name) if part))
-                         for path, _, name in param._param_infos]
-                flat[id(param)] = {"names": names, "shapes": [list(s) for s in param._param_shapes]}
-    return flat
-
-
 def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:
     """This rank's optimizer state, one entry per parameter the optimizer holds, in its order: the names and shapes
     of the original parameters (several for a flat parameter), whether the state is this rank's shard of their
     concatenation (``sharded``, padded like FSDP's shards) or the parameter's whole state, and the state."""
-    flat = _flat_parameter_names(module)
-    names = {id(p): _clean_key(name) for name, p in module.named_parameters()}
+    params = [(p, group["lr"]) for group in optimizer.param_groups for p in group["params"]]
     entries = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = {key: value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
-                     for key, value in optimizer.state.get(param, {}).items()}
-            if id(param) in flat:
-                entries.append({**flat[id(param)], "sharded": True, "state": state, "lr": group["lr"]})
-            else:
-                entries.append({"names": [names[id(param)]], "shapes": [list(param.shape)], "sharded": False,
-                                "state": state, "lr": group["lr"]})
+    for (param, lr), names in zip(params, optimizer_parameter_names(module, optimizer)):
+        state = {key: value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
+                 for key, value in optimizer.state.get(param, {}).items()}
+        sharded = hasattr(param, "_param_shapes")  # a FairScale flat parameter
+        shapes = [list(shape) for shape in param._param_shapes] if sharded else [list(param.shape)]
+        entries.append({"names": names, "shapes": shapes, "sharded": sharded, "state": state, "lr": lr})
     return entries
 
 
