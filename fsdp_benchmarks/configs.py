@@ -35,6 +35,9 @@ class BenchConfig:
     #: whether the ranks agree before each collective of the checkpoint's per-unit loops (the fork's default);
     #: ``False`` only measures what the agreement costs, and leaves the ranks hanging if one of them fails
     agree_before_collectives: bool = True
+    #: whether the optimizer state is saved in the portable layout (the fork's, since revision 81); ``False`` only
+    #: measures the consolidated layout of revisions <= 80 (FairScale's, per FSDP root) side by side with it
+    portable_optimizer_state: bool = True
 
     @property
     def complete(self) -> bool:
@@ -96,6 +99,21 @@ CONFIGS: List[BenchConfig] = [
     BenchConfig("fork-stream-adam", f"{_FORK_STREAMED}; Adam", _STREAMED, optimizer="adam"),
     BenchConfig("fork-async", _FORK_ASYNC, _ASYNC),
     BenchConfig("fork-async-adam", f"{_FORK_ASYNC}; Adam", _ASYNC, optimizer="adam"),
+    BenchConfig(
+        "fork-stream-consolidated",
+        f"{_FORK_STREAMED}, with the optimizer state in the consolidated layout of fork revisions <= 80 (FairScale's,"
+        " per FSDP root, resumable only by the fork's FSDP): not a setting users have, it is the layout's baseline",
+        _STREAMED,
+        portable_optimizer_state=False,
+    ),
+    BenchConfig(
+        "fork-stream-adam-consolidated",
+        f"{_FORK_STREAMED}; Adam; with the optimizer state in the consolidated layout of fork revisions <= 80: not a"
+        " setting users have, it is the layout's baseline",
+        _STREAMED,
+        optimizer="adam",
+        portable_optimizer_state=False,
+    ),
     BenchConfig(
         "fork-no-agreement",
         f"{_FORK_GATHERED}, without the ranks' agreement before each collective: not a setting users have, it only"

@@ -62,6 +62,10 @@ def make_strategy(args: argparse.Namespace) -> Any:
         from pytorch_lightning.utilities import collective_guard
 
         collective_guard.AGREE_BEFORE_COLLECTIVES = False
+    if not config.portable_optimizer_state:
+        from pytorch_lightning.strategies import fsdp_portable_optimizer_state
+
+        fsdp_portable_optimizer_state.PORTABLE_LAYOUT = False
     kwargs = dict(config.strategy_kwargs)
     checkpoint_io = config.build_checkpoint_io()
     if checkpoint_io is not None:

@@ -20,11 +20,12 @@ from fsdp_harness.multiprocess import ROOT
 MODULE = "fsdp_benchmarks.checkpoint_memory"
 CONFIGS = [
     "upstream", "rank0-only", "fork", "fork-stream", "upstream-adam", "fork-adam", "fork-stream-adam",
-    "fork-async", "fork-async-adam", "fork-no-agreement", "fork-stream-no-agreement",
+    "fork-async", "fork-async-adam", "fork-stream-consolidated", "fork-stream-adam-consolidated", "fork-no-agreement",
+    "fork-stream-no-agreement",
 ]
 SMOKE_CONFIGS = ["upstream", "rank0-only", "fork", "upstream-adam", "fork-stream-adam"]
 INCOMPLETE = {"upstream", "upstream-adam"}  # pure 1.6.5: rank 0's optimizer shard only
-STREAMED = {"fork-stream", "fork-stream-adam"}
+STREAMED = {"fork-stream", "fork-stream-adam", "fork-stream-consolidated", "fork-stream-adam-consolidated"}
 RUN_KEYS = {
     "config", "world_size", "state_dict_mb", "ranks", "node_save_peak_extra_anon_file_mb", "node_save_peak_extra_mb",
     "node_load_peak_extra_mb", "node_load_peak_extra_file_mb", "node_save_x_s", "node_load_x_s", "checkpoint_mb",

@@ -183,15 +183,10 @@ def _hyperparameters(group: Mapping[str, Any]) -> Dict[str, Any]:
     return {key: value for key, value in group.items() if key not in ("params", "param_names")}
 
 
-def _first_mismatch(
-    expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any], exact_shapes: bool
-) -> Optional[str]:
+def _first_mismatch(expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any]) -> Optional[str]:
     """What first keeps the saved optimizer state ``opt_state`` (``optimizer.state_dict()``-like, optionally with
     ``"param_names"``) from mapping onto the parameters ``expected`` in each param group, or ``None`` if it maps.
-
-    With ``exact_shapes``, every state tensor must have its parameter's shape (FSDP re-shards them all); otherwise
-    only one with as many dimensions as its parameter is compared (optimizers such as LBFGS or factored ones keep
-    state of other shapes).
+    Every state tensor but 0-d ones must have its parameter's shape, as FairScale (and so the FSDP re-shard) takes it.
     """
     saved_groups = opt_state["param_groups"]
     if len(saved_groups) != len(expected):
@@ -208,9 +203,7 @@ def _first_mismatch(
                     f" {param.name!r}"
                 )
             for key, value in opt_state["state"].get(saved_index, {}).items():
-                if not _is_param_shaped(value) or value.shape == param.shape:
-                    continue
-                if exact_shapes or value.dim() == len(param.shape):
+                if _is_param_shaped(value) and value.shape != param.shape:
                     return (
                         f"{param.name!r}: the checkpoint's `{key}` has shape {tuple(value.shape)}, the parameter"
                         f" {tuple(param.shape)}"
@@ -247,8 +240,9 @@ _FSDP_GROUPS_HINT = (
 
 
 def _check_optimizer_state_fits(module: Module, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
-    """Raise, naming the first mismatch, unless the saved ``opt_state`` maps onto ``optimizer`` of the unsharded
-    ``module`` (any strategy but FSDP's flat parameters), before ``optimizer.load_state_dict`` loads it by position.
+    """Raise, naming the first mismatch, unless a portable optimizer state that ``DDPFullyShardedStrategy`` saved
+    maps onto ``optimizer`` of the unsharded ``module`` (any other strategy), before ``optimizer.load_state_dict``
+    loads it by position. Other states (of a run without FSDP) are left to ``load_state_dict``, as in 1.6.5.
 
     Raises:
         MisconfigurationException: if it holds a layout only ``DDPFullyShardedStrategy`` reads, or does not map.
@@ -259,14 +253,14 @@ def _check_optimizer_state_fits(module: Module, optimizer: Optimizer, opt_state:
             " in a layout only that strategy reads. Resume it once with `strategy=\"fsdp\"` and save it again: the"
             " fork now saves an optimizer state that any strategy loads."
         )
-    if "param_groups" not in opt_state:
-        return  # a custom optimizer's own format: its ``load_state_dict`` judges it
+    if "param_names" not in opt_state or "param_groups" not in opt_state:
+        return
     names = {id(param): name for name, param in module.named_parameters()}
     expected = [
         [_PlainParameter(names.get(id(p), f"<not in the model: {tuple(p.shape)}>"), p.shape, ()) for p in g["params"]]
         for g in optimizer.param_groups
     ]
-    mismatch = _first_mismatch(expected, opt_state, exact_shapes=False)
+    mismatch = _first_mismatch(expected, opt_state)
     if mismatch is not None:
         raise _mismatch_error(optimizer, mismatch)
 
@@ -278,7 +272,7 @@ def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_sta
     and shapes) restores only the hyperparameters, with a warning."""
     layout = _portable_layout(module, optimizer)
     expected = [[layout.parameters[i] for i in indices] for indices in layout.groups]
-    mismatch = _first_mismatch(expected, opt_state, exact_shapes=True)
+    mismatch = _first_mismatch(expected, opt_state)
     if mismatch is not None:
         if _is_rank_zero_shard(optimizer, opt_state):
             _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
