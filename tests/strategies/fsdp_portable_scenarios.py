@@ -193,6 +193,9 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
         except Exception as error:
             result["error"] = _outcome(start, error)
     result["optimizer_warnings"] = [str(w.message) for w in caught if "optimizer state" in str(w.message)]
+    if torch.distributed.is_initialized():
+        # the next case of the batch may read this run's last file before it loads anything through Lightning
+        torch.distributed.barrier()
     if result["error"] is not None:
         return result
     optimizer = trainer.optimizers[0]
