@@ -28,6 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from pytorch_lightning.strategies.fsdp_introspection import _clean_fsdp_key, _flat_parameter_pieces, _fsdp_instances
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_error_type
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
@@ -226,7 +227,8 @@ def _group_size_mismatch(
 
 
 def _mismatch_error(optimizer: Optimizer, mismatch: str, hint: str = "") -> MisconfigurationException:
-    return MisconfigurationException(
+    # a failed load, so a ``CheckpointError`` as every one the fork raises, and still the user's error
+    return _checkpoint_error_type(MisconfigurationException)(
         f"The checkpoint's state of the optimizer `{type(optimizer).__name__}` does not fit the LightningModule:"
         f" {mismatch}. Create the model and its optimizer as they were when the checkpoint was saved.{hint}"
     )
