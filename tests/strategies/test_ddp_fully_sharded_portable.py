@@ -263,9 +263,9 @@ def plan_matrix(batches: ScenarioBatches) -> None:
 def test_resume_across_strategies(portable_runs, model, source, target):
     """Requirements 1 and 2: a fork's FSDP file resumes under DDP and on a single device, and a DDP or single-device
     file under the fork's FSDP, exactly: the optimizer state right after the load is the file's, and the run ends
-    where the uninterrupted one does (``TOLERANCE``). Today the first two raise ``CheckpointError[ValueError]``
-    (a parameter group that doesn't match), the last two take the file for a 1.6.5 rank-0 shard and start the
-    optimizer state fresh."""
+    where the uninterrupted one does (``TOLERANCE``). At fork revision 80 the first two raised
+    ``CheckpointError[ValueError]`` (a parameter group that doesn't match), the last two took the file for a 1.6.5
+    rank-0 shard and started the optimizer state fresh."""
     check_portable_resume(portable_runs, model, source, target)
 
 
