@@ -179,13 +179,13 @@ def _load_optimizer_state_dict(strategy: "DDPFullyShardedStrategy", checkpoint: 
                 )
             _check_optimizer_state_fits(module, optimizer, opt_state)
             optimizer.load_state_dict(opt_state)
-        elif layout == "per_rank" and _is_rank_zero_shard(optimizer, opt_state):
+        elif layout == "per_rank" and _is_rank_zero_shard(module, optimizer, opt_state):
             _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
         elif layout == "per_rank":
             raise MisconfigurationException(
-                "The checkpoint holds a consolidated optimizer state, which FairScale can only re-shard with"
-                " `flatten_parameters=True`, but the LightningModule has FSDP instances with"
-                " `flatten_parameters=False`."
+                "The checkpoint holds the full optimizer state (saved with `flatten_parameters=True`, or by another"
+                " strategy), which can only be re-sharded into FSDP instances with `flatten_parameters=True`, but"
+                " the LightningModule has FSDP instances with `flatten_parameters=False`."
             )
         elif "fsdp_roots" in opt_state or "param_id_map" in opt_state:
             # the consolidated layout of fork revisions <= 80

@@ -21,7 +21,7 @@ optimizer loads it.
 """
 # fork-feature: fork/portable-optimizer-state.patch
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.nn import Module
@@ -93,17 +93,28 @@ def _plain_parameters(module: Module) -> List[_PlainParameter]:
 
 
 def _portable_layout(module: Module, optimizer: Optimizer) -> _PortableLayout:
-    """The layout of ``optimizer``'s portable state for ``module``: each group's plain parameters in the plain
-    model's order; under FSDP a flat parameter stands for the original parameters it holds."""
+    """The layout of ``optimizer``'s portable state for ``module``: under FSDP a flat parameter stands for the
+    original parameters it holds.
+
+    A plain run lists a group's parameters as the user's code does, e.g. ``self.parameters()`` or
+    ``list(self.decoder.parameters()) + list(self.encoder.parameters())``. Under FSDP the same code lists each unit's
+    flat parameter before those of the units nested in it, whose original parameters interleave in the plain order.
+    So each such run (a unit followed by units nested in it) is put in the plain model's order, and the runs keep the
+    group's order.
+    """
     plain = _plain_parameters(module)
     position = {p.source: k for k, p in enumerate(plain)}
-    flats = {id(flat) for instance in _fsdp_instances(module) for flat in instance.params}
+    instance_of = {id(flat): instance for instance in _fsdp_instances(module) for flat in instance.params}
     members: List[List[Tuple[int, List[int]]]] = []
+    order: List[int] = []
+    groups: List[List[int]] = []
     index = 0
     for group in optimizer.param_groups:
-        entries = []
+        entries, runs = [], []
+        run_top: Optional[Module] = None
         for param in group["params"]:
-            if id(param) in flats:
+            instance = instance_of.get(id(param))
+            if instance is not None:
                 sources = [("piece", id(param), i) for i in range(len(param._param_infos))]
             else:
                 sources = [("param", id(param))]
@@ -112,15 +123,18 @@ def _portable_layout(module: Module, optimizer: Optimizer) -> _PortableLayout:
                     f"The optimizer `{type(optimizer).__name__}` holds a parameter of shape {tuple(param.shape)} that"
                     " is not a parameter of the LightningModule, so its state cannot be saved under a name."
                 )
-            entries.append((index, [position[source] for source in sources]))
+            positions = [position[source] for source in sources]
+            entries.append((index, positions))
             index += 1
+            if instance is not None and run_top is not None and _is_nested_in(instance, run_top):
+                runs[-1].extend(positions)
+            else:
+                runs.append(list(positions))
+                run_top = instance
         members.append(entries)
-    order: List[int] = []
-    groups: List[List[int]] = []
-    for entries in members:
-        positions = sorted(k for _, ks in entries for k in ks)
-        groups.append(list(range(len(order), len(order) + len(positions))))
-        order.extend(positions)
+        start = len(order)
+        order.extend(k for run in runs for k in sorted(run))
+        groups.append(list(range(start, len(order))))
     portable_index = {k: i for i, k in enumerate(order)}
     return _PortableLayout(
         parameters=[plain[k] for k in order],
@@ -129,10 +143,35 @@ def _portable_layout(module: Module, optimizer: Optimizer) -> _PortableLayout:
     )
 
 
+def _is_nested_in(instance: Module, outer: Module) -> bool:
+    return instance is not outer and any(m is instance for m in outer.modules())
+
+
+#: State keys that torch's optimizers keep as one 0-d value per parameter, not one per element: they are shared by
+#: the pieces of a flat parameter. Only needed for a unit whose parameters are all 0-d, where shapes cannot tell.
+_SCALAR_STATE_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
+
+
 def _is_param_shaped(value: Any) -> bool:
-    """Whether an entry of a parameter's optimizer state is a tensor shaped like the parameter (FairScale's rule:
-    every tensor that is not a 0-d ``step``-like value), as opposed to a value shared by a flat parameter's pieces."""
+    """Whether an entry of a parameter's optimizer state is a tensor with elements (FairScale's rule: every tensor
+    that is not 0-d), as opposed to a value shared by a flat parameter's pieces."""
     return torch.is_tensor(value) and value.dim() > 0
+
+
+def _elementwise_keys(pieces: Sequence[Optional[Mapping[str, Any]]]) -> Set[str]:
+    """The state keys with one value per element of the original parameters ``pieces`` of one flat parameter hold
+    (``None`` for a piece without state): those with a tensor with elements in any piece; a 0-d parameter's are 0-d."""
+    keys = {key for piece in pieces if piece for key, value in piece.items() if _is_param_shaped(value)}
+    if not keys:
+        # every parameter of the unit is 0-d (e.g. temperatures): torch's per-element state is then 0-d too
+        keys = {
+            key
+            for piece in pieces
+            if piece
+            for key, value in piece.items()
+            if torch.is_tensor(value) and key not in _SCALAR_STATE_KEYS
+        }
+    return keys
 
 
 def _own_copy(value: Any) -> Any:
@@ -164,9 +203,10 @@ def _portable_optimizer_state(
             if len(indices) == 1 and layout.parameters[indices[0]].source[0] == "param":
                 portable[indices[0]] = local
                 continue
+            # the flat parameter's own state tells which keys are per element (1-d) and which shared (``step``)
             shared = {key: value for key, value in local.items() if not _is_param_shaped(value)}
             for piece, i in enumerate(indices):
-                entry = {key: value for key, value in pieces[(id(params[j]), piece)].items() if _is_param_shaped(value)}
+                entry = {key: value for key, value in pieces[(id(params[j]), piece)].items() if key not in shared}
                 entry.update({key: _own_copy(value) for key, value in shared.items()})
                 portable[i] = entry
     return {
@@ -215,7 +255,10 @@ def _first_mismatch(expected: Sequence[Sequence[_PlainParameter]], opt_state: Ma
 def _group_size_mismatch(
     g: int, saved: List[int], params: Sequence[_PlainParameter], names: Optional[List[str]]
 ) -> str:
-    message = f"param group {g} holds {len(saved)} parameters in the checkpoint but {len(params)} in the optimizer"
+    message = (
+        f"param group {g} holds {len(saved)} parameters in the checkpoint but {len(params)} here (counting the"
+        " parameters that each FSDP flat parameter holds)"
+    )
     if names is not None:
         here = {p.name for p in params}
         extra = [names[i] for i in saved if names[i] not in here]
@@ -249,6 +292,11 @@ def _check_optimizer_state_fits(module: Module, optimizer: Optimizer, opt_state:
     Raises:
         MisconfigurationException: if it holds a layout only ``DDPFullyShardedStrategy`` reads, or does not map.
     """
+    if "fsdp_per_rank" in opt_state:
+        raise MisconfigurationException(
+            "The checkpoint's optimizer state was saved by `DDPFullyShardedStrategy` with `flatten_parameters=False`:"
+            " it holds each rank's own FSDP state, which only that strategy, with the same number of processes, loads."
+        )
     if any(key in opt_state for key in _FSDP_ONLY_KEYS):
         raise MisconfigurationException(
             "The checkpoint's optimizer state was saved by `DDPFullyShardedStrategy` of a fork revision before 81,"
@@ -276,10 +324,12 @@ def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_sta
     expected = [[layout.parameters[i] for i in indices] for indices in layout.groups]
     mismatch = _first_mismatch(expected, opt_state)
     if mismatch is not None:
-        if _is_rank_zero_shard(optimizer, opt_state):
+        if _is_rank_zero_shard(module, optimizer, opt_state):
             _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
             return
         raise _mismatch_error(optimizer, mismatch, _FSDP_GROUPS_HINT)
+    if "param_names" not in opt_state:
+        _check_same_weight_decay(optimizer, opt_state)
     saved_index = {
         i: saved
         for indices, group in zip(layout.groups, opt_state["param_groups"])
@@ -292,16 +342,13 @@ def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_sta
         for j, indices in entries:
             saved = [opt_state["state"].get(saved_index[i]) for i in indices]
             if all(entry is None for entry in saved):
-                continue
-            if any(entry is None for entry in saved):
-                missing = layout.parameters[indices[[entry is None for entry in saved].index(True)]].name
-                raise _mismatch_error(
-                    optimizer,
-                    f"{missing!r} has no state in the checkpoint, but other parameters of its FSDP unit have",
-                    _FSDP_GROUPS_HINT,
-                )
+                continue  # no state (frozen or unused), as in the run that saved it
             instance = instance_of.get(id(params[j]))
-            state[j] = saved[0] if instance is None else _shard_of_pieces(instance, saved)
+            if instance is None:
+                state[j] = saved[0]
+            else:
+                shapes = [layout.parameters[i].shape for i in indices]
+                state[j] = _shard_of_pieces(instance, saved, shapes)
     optimizer.load_state_dict(
         {
             "state": state,
@@ -313,37 +360,71 @@ def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_sta
     )
 
 
-def _shard_of_pieces(instance: Any, pieces: List[Mapping[str, Any]]) -> Dict[str, Any]:
-    """This rank's state of the flat parameter of the FSDP ``instance`` from the states of its ``pieces``."""
+def _check_same_weight_decay(optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
+    """A state without ``param_names`` (a run without FSDP) maps by position: groups of the same sizes but other
+    members would load into the wrong parameters. A different ``weight_decay`` per group, which no scheduler changes,
+    is the sign of such groups (e.g. no decay on the biases of a plain run, which FSDP cannot split from their unit).
+    """
+    for g, (group, saved) in enumerate(zip(optimizer.param_groups, opt_state["param_groups"])):
+        if "weight_decay" in group and "weight_decay" in saved and group["weight_decay"] != saved["weight_decay"]:
+            raise _mismatch_error(
+                optimizer,
+                f"param group {g} has weight_decay={saved['weight_decay']} in the checkpoint but"
+                f" {group['weight_decay']} in the optimizer, so its groups hold other parameters than when it was"
+                " saved",
+                _FSDP_GROUPS_HINT,
+            )
+
+
+def _shard_of_pieces(
+    instance: Any, pieces: List[Optional[Mapping[str, Any]]], shapes: List[torch.Size]
+) -> Dict[str, Any]:
+    """This rank's state of the flat parameter of the FSDP ``instance`` from the states of its ``pieces`` (of the
+    given ``shapes``). A piece without state (a parameter that got no gradient in the run that saved it, e.g. an
+    unused pooler) counts as zeros, which is what FSDP's own state holds for it."""
     from pytorch_lightning.strategies.fsdp_optimizer_state import _flat_slice
 
-    return {
-        key: _flat_slice([p[key].reshape(-1) for p in pieces], instance.rank, instance.world_size)
-        if _is_param_shaped(value)
-        else _own_copy(value)
-        for key, value in pieces[0].items()
-    }
+    elementwise = _elementwise_keys(pieces)
+    present = [piece for piece in pieces if piece is not None]
+    shard: Dict[str, Any] = {}
+    for key, value in present[0].items():
+        if key not in elementwise:
+            shard[key] = _own_copy(value)
+            continue
+        like = next(piece[key] for piece in present if key in piece)
+        flat = [
+            piece[key].reshape(-1) if piece is not None and key in piece else like.new_zeros(shape).reshape(-1)
+            for piece, shape in zip(pieces, shapes)
+        ]
+        shard[key] = _flat_slice(flat, instance.rank, instance.world_size)
+    return shard
 
 
-def _is_rank_zero_shard(optimizer: Optimizer, opt_state: Mapping[str, Any]) -> bool:
+def _is_rank_zero_shard(module: Module, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> bool:
     """Whether a plain ``optimizer.state_dict()`` is global rank 0's own shard over FSDP flat parameters, as
-    Lightning <= 1.6.5 saved it: one entry per flat parameter in each group, and only flat (1-d) tensors."""
+    Lightning <= 1.6.5 saved it: one entry per parameter of the FSDP optimizer in each group, and only flat (1-d)
+    tensors for the flat parameters."""
     groups = opt_state["param_groups"]
     if len(groups) != len(optimizer.param_groups) or "param_names" in opt_state:
         return False
     if any(len(s["params"]) != len(g["params"]) for s, g in zip(groups, optimizer.param_groups)):
         return False
-    values = [v for entry in opt_state["state"].values() for v in entry.values() if _is_param_shaped(v)]
-    return all(v.dim() == 1 for v in values)
+    flats = {id(flat) for instance in _fsdp_instances(module) for flat in instance.params}
+    for saved, group in zip(groups, optimizer.param_groups):
+        for index, param in zip(saved["params"], group["params"]):
+            values = [v for v in opt_state["state"].get(index, {}).values() if _is_param_shaped(v)]
+            if any(v.dim() != 1 if id(param) in flats else v.shape != param.shape for v in values):
+                return False
+    return True
 
 
 def _load_hyperparameters_of_rank_zero_shard(optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
     """Load the param groups' hyperparameters of an optimizer state saved by Lightning <= 1.6.5 (global rank 0's
     shard), and warn that its per-parameter state cannot be restored."""
     rank_zero_warn(
-        "The checkpoint's optimizer state is a plain `optimizer.state_dict()`, not the consolidated state"
-        " `DDPFullyShardedStrategy` saves now: Lightning <= 1.6.5 saved global rank 0's shard of the FSDP"
-        " parameters there, so loading it would give every rank rank 0's state. The per-parameter state of"
+        "The checkpoint's optimizer state is global rank 0's own shard of the FSDP flat parameters, as Lightning"
+        " <= 1.6.5 saved it, not the full state over the original parameters that `DDPFullyShardedStrategy` saves"
+        " now, so loading it would give every rank rank 0's state. The per-parameter state of"
         f" `{type(optimizer).__name__}` (e.g. momentum or"
         " running averages) is therefore not restored and starts fresh; its hyperparameters (e.g. the"
         " learning rate) are restored, and the model weights are loaded as usual."
