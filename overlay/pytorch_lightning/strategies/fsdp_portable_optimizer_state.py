@@ -28,6 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from pytorch_lightning.strategies.fsdp_introspection import _clean_fsdp_key, _flat_parameter_pieces, _fsdp_instances
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_error_type
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
@@ -268,8 +269,13 @@ def _group_size_mismatch(
     return message
 
 
+def _load_error(message: str) -> MisconfigurationException:
+    # a failed load, so a ``CheckpointError`` as every one the fork raises, and still the user's error
+    return _checkpoint_error_type(MisconfigurationException)(message)
+
+
 def _mismatch_error(optimizer: Optimizer, mismatch: str, hint: str = "") -> MisconfigurationException:
-    return MisconfigurationException(
+    return _load_error(
         f"The checkpoint's state of the optimizer `{type(optimizer).__name__}` does not fit the LightningModule:"
         f" {mismatch}. Create the model and its optimizer as they were when the checkpoint was saved.{hint}"
     )
@@ -291,12 +297,12 @@ def _check_optimizer_state_fits(module: Module, optimizer: Optimizer, opt_state:
         MisconfigurationException: if it holds a layout only ``DDPFullyShardedStrategy`` reads, or does not map.
     """
     if "fsdp_per_rank" in opt_state:
-        raise MisconfigurationException(
+        raise _load_error(
             "The checkpoint's optimizer state was saved by `DDPFullyShardedStrategy` with `flatten_parameters=False`:"
             " it holds each rank's own FSDP state, which only that strategy, with the same number of processes, loads."
         )
     if any(key in opt_state for key in _FSDP_ONLY_KEYS):
-        raise MisconfigurationException(
+        raise _load_error(
             "The checkpoint's optimizer state was saved by `DDPFullyShardedStrategy` of a fork revision before 81,"
             " in a layout only that strategy reads. Resume it once with `strategy=\"fsdp\"` and save it again: the"
             " fork now saves an optimizer state that any strategy loads."
