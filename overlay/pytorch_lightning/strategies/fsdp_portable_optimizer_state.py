@@ -27,7 +27,12 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from pytorch_lightning.strategies.fsdp_introspection import _clean_fsdp_key, _flat_parameter_pieces, _fsdp_instances
+from pytorch_lightning.strategies.fsdp_introspection import (
+    _clean_fsdp_key,
+    _flat_parameter_pieces,
+    _flat_slice,
+    _fsdp_instances,
+)
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
@@ -319,10 +324,8 @@ def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_sta
 
 def _shard_of_pieces(instance: Any, pieces: List[Mapping[str, Any]]) -> Dict[str, Any]:
     """This rank's state of the flat parameter of the FSDP ``instance`` from the states of its ``pieces``."""
-    from pytorch_lightning.strategies.fsdp_optimizer_state import _flat_slice
-
     return {
-        key: _flat_slice([p[key].reshape(-1) for p in pieces], instance.rank, instance.world_size)
+        key: _flat_slice([p[key] for p in pieces], instance.rank, instance.world_size)
         if _is_param_shaped(value)
         else _own_copy(value)
         for key, value in pieces[0].items()
