@@ -6,8 +6,9 @@ while it wraps a strategy's ``load_model_state_dict`` and ``load_optimizer_state
 
 - a ``TorchDispatchMode`` adds the bytes of every argument of a torch operation that is a view of a tensor of the
   loaded checkpoint, unless the operation is itself a view (the slice of a reshaped tensor reads nothing, the copy of
-  the slice reads its bytes). A memory-mapped tensor is paged in only where such an operation touches it, so this is
-  what the load reads of the file (an upper bound: a value read twice counts twice);
+  the slice reads its bytes) or reads only metadata (``new_empty``). A memory-mapped tensor is paged in only where
+  such an operation touches it, so this is what the load reads of the file (an upper bound: a value read twice
+  counts twice);
 - the ``torch.distributed`` collectives add the bytes of their tensor arguments;
 - FairScale's ``_rebuild_full_params`` (the gather of an FSDP unit's full parameters, under ``summon_full_params`` and
   in a forward) counts the units gathered.
@@ -40,6 +41,14 @@ COLLECTIVES = (
 )
 
 
+#: torch operations that read only an argument's metadata (shape, dtype, device), not its values
+METADATA_ONLY = frozenset(
+    {"new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like",
+     "full_like", "rand_like", "randn_like", "randint_like", "sym_size", "sym_stride", "sym_numel",
+     "sym_storage_offset"}
+)
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     return (leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor))
 
@@ -60,7 +69,7 @@ class _ReadsOf(TorchDispatchMode):
         self.traffic, self.storages = traffic, storages
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not func.is_view:
+        if not func.is_view and func.overloadpacket.__name__ not in METADATA_ONLY:
             arguments = _tensors((args, kwargs or {}))
             self.traffic.bytes_read += sum(_nbytes(t) for t in arguments if _storage(t) in self.storages)
         return func(*args, **(kwargs or {}))

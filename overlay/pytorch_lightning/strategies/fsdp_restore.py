@@ -74,10 +74,6 @@ def _load_model_state_dict(
     # No collective: every rank copies its own shards, so a failure on one rank (an allocation, a read of the file)
     # leaves the others nowhere to wait; ``CheckpointConnector.restore_model`` raises it on every rank
     for prefix, instance in instances:
-        if getattr(instance, "has_full_params", False):
-            # FairScale keeps the root's full parameters after an evaluation's forward (``trainer.test`` after
-            # ``fit``); gathered before the load, they would hide it from the next forward
-            instance._free_full_params()
         for flat in instance.params:
             missing.extend(_load_shard(prefix, instance, flat, state_dict, loaded))
     flat_ids = {id(p) for _, instance in instances for p in instance.params}
