@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 #: What a run keeps per rank from ``rank<N>.json``'s ``save`` / ``load`` measurements, as ``save_<field>`` and
-#: ``load_<field>`` (MiB, seconds, Hz); ``cuda_max_allocated_mb`` exists in GPU mode only.
+#: ``load_<field>`` (MiB, seconds, Hz; for the load also the bytes read of the checkpoint's tensors and passed through
+#: collectives, the FSDP units gathered, and the seconds in the strategy's state loads); ``cuda_max_allocated_mb``
+#: exists in GPU mode only.
 _RANK_FIELDS = ("peak_extra_mb", "peak_extra_anon_file_mb", "peak_extra_file_mb", "seconds", "sample_hz",
-                "cuda_max_allocated_mb", "stall_seconds", "first_stall_seconds")
+                "cuda_max_allocated_mb", "stall_seconds", "first_stall_seconds", "bytes_read", "collective_bytes",
+                "unit_gathers", "state_seconds")
+MIB = 1024 * 1024
 
 
 def _rank_row(r: Dict[str, Any]) -> Dict[str, Any]:
@@ -76,6 +80,10 @@ def failed_run(config: str, world_size: int, size_mb: float, reason: str) -> Dic
     }
 
 
+def _mib(row: Dict[str, Any], key: str) -> str:
+    return f"{row[key] / MIB:.1f}" if key in row else ""
+
+
 def _x(value: float, size: float) -> str:
     return f"{value:.1f} ({value / size:.2f}x)"
 
@@ -104,7 +112,8 @@ def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
         for r in run["ranks"]:
             cells = [str(r["rank"]), _x(r["save_peak_extra_anon_file_mb"], size), f"{r['save_peak_extra_mb']:.1f}",
                      f"{r['save_seconds']:.2f}", _x(r["load_peak_extra_mb"], size),
-                     f"{r['load_peak_extra_file_mb']:.1f}", f"{r['load_seconds']:.2f}"]
+                     f"{r['load_peak_extra_file_mb']:.1f}", f"{r['load_seconds']:.2f}", _mib(r, "load_bytes_read"),
+                     _mib(r, "load_collective_bytes")]
             if gpu:
                 cells += [
                     f"{r.get('save_cuda_max_allocated_mb', 0):.1f}", f"{r.get('load_cuda_max_allocated_mb', 0):.1f}"
@@ -114,7 +123,7 @@ def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
         ok = ("yes" if run["ok"] else "NO") + (f", {stream['compared']} tensors = gathered" if stream else "")
         cells = ["node", _x(run["node_save_peak_extra_anon_file_mb"], size),
                  f"{run['node_save_peak_extra_mb']:.1f}", "",
-                 _x(run["node_load_peak_extra_mb"], size), f"{run['node_load_peak_extra_file_mb']:.1f}", ""]
+                 _x(run["node_load_peak_extra_mb"], size), f"{run['node_load_peak_extra_file_mb']:.1f}", "", "", ""]
         if gpu:
             cells += ["", ""]
         rows.append(head + cells + [f"{run['checkpoint_mb']:.1f}", _optimizer_state(run), ok])
@@ -124,7 +133,7 @@ def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
 def _header(runs: List[Dict[str, Any]]) -> List[str]:
     gpu = ["GPU save MiB", "GPU resume MiB"] if _gpu(runs) else []
     return ["config", "N", "rank", "save anon+file MiB (xS)", "anon", "save s", "resume anon MiB (xS)", "mapped file",
-            "resume s", *gpu, "ckpt MiB", "optimizer state", "ok"]
+            "resume s", "resume read MiB", "resume collectives MiB", *gpu, "ckpt MiB", "optimizer state", "ok"]
 
 
 def table(runs: List[Dict[str, Any]]) -> str:

@@ -20,7 +20,10 @@ from the repository root. Every rank:
    the loaded checkpoint. The baseline is taken where the checkpoint starts to matter, so the figure is the cost of
    the checkpoint on top of what the rank held just before, whether Lightning restores before sharding (upstream
    1.6.5) or after. The wall time covers the same window (with upstream's order it includes wrapping the model).
-   Training stops at ``on_train_start``; the resumed parameters are gathered and compared with the file again;
+   Training stops at ``on_train_start``; the resumed parameters are gathered and compared with the file again. In the
+   same window each rank counts the bytes its loads of the model and optimizer state read of the checkpoint's tensors,
+   the bytes of the tensors its collectives carry, and the FSDP units it gathers (:mod:`fsdp_harness.checkpoint_reads`:
+   the ranks of one host share a page cache, so OS counters cannot split the reads between them);
 5. writes ``<out>/rank<N>.json`` (with the ``pytorch_lightning`` it imported, so the runner can check the build)
    (or, when it raises, ``<out>/rank<N>.error``; see :mod:`fsdp_harness.scenario`).
 """
@@ -35,6 +38,7 @@ import torch
 import pytorch_lightning
 from fsdp_benchmarks.configs import by_name
 from fsdp_benchmarks.model import CheckpointModel, state_dict_mb
+from fsdp_harness.checkpoint_reads import LoadTraffic
 from fsdp_harness.memory_sampler import MIB, PeakMemory, memory_source
 from fsdp_harness.models import full_parameters
 from fsdp_harness.scenario import main
@@ -157,10 +161,13 @@ def verify_streamed_file(trainer: Trainer, path: Path, rank: int) -> Dict[str, A
 
 
 class ResumeProbe(Callback):
-    """Starts the measurement when the strategy begins reading the checkpoint; stops it at ``on_train_start``."""
+    """Starts the measurement when the strategy begins reading the checkpoint; stops it at ``on_train_start``. Counts
+    what the strategy's loads of the model and optimizer state read of the checkpoint's tensors, pass through
+    collectives and gather (:class:`~fsdp_harness.checkpoint_reads.LoadTraffic`)."""
 
     def __init__(self, cuda: bool) -> None:
         self.meter = PeakMemory()
+        self.traffic = LoadTraffic()
         self.cuda = cuda
         self.result: Dict[str, Any] = {}
 
@@ -178,10 +185,11 @@ class ResumeProbe(Callback):
             return original(*args, **kwargs)
 
         strategy.load_checkpoint = load_checkpoint
+        self.traffic.install(strategy)
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         if self.meter.running:
-            self.result = self.meter.stop()
+            self.result = {**self.meter.stop(), **self.traffic.result()}
         trainer.should_stop = True
 
 

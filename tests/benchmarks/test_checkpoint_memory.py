@@ -34,7 +34,10 @@ RUN_KEYS = {
 RANK_KEYS = {
     "rank", "save_peak_extra_mb", "save_peak_extra_anon_file_mb", "save_peak_extra_file_mb", "save_seconds",
     "load_peak_extra_mb", "load_peak_extra_anon_file_mb", "load_peak_extra_file_mb", "load_seconds",
+    "load_state_seconds", "load_bytes_read", "load_collective_bytes", "load_unit_gathers",
 }
+#: the counts among ``RANK_KEYS`` (the rest are MiB and seconds)
+RANK_COUNTS = {"rank", "load_bytes_read", "load_collective_bytes", "load_unit_gathers"}
 
 
 def _environment():
@@ -80,7 +83,10 @@ def test_checkpoint_memory_benchmark_smoke(tmp_path):
         assert [r["rank"] for r in run["ranks"]] == [0, 1]
         for rank in run["ranks"]:
             assert RANK_KEYS <= set(rank), rank
-            assert all(isinstance(rank[k], float) for k in RANK_KEYS - {"rank"})
+            assert all(isinstance(rank[k], float) for k in RANK_KEYS - RANK_COUNTS)
+            assert all(isinstance(rank[k], int) for k in RANK_COUNTS)
+            # every configuration reads at least each rank's share of the weights (S / N)
+            assert rank["load_bytes_read"] >= run["state_dict_mb"] * 2**20 / 2 * 0.9
         assert run["node_save_peak_extra_mb"] == pytest.approx(sum(r["save_peak_extra_mb"] for r in run["ranks"]))
         assert run["node_save_peak_extra_anon_file_mb"] == pytest.approx(
             sum(r["save_peak_extra_anon_file_mb"] for r in run["ranks"])

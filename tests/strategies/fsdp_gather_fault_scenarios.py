@@ -1,12 +1,15 @@
 """Failures inside FairScale's own per-unit gathers, at the allocations around them, and a slow disk on global rank 0,
 on CPU FSDP (2 ranks over gloo): ``python -m tests.strategies.fsdp_gather_fault_scenarios <scenario> --out DIR``.
 
-- ``streamed`` / ``gathered`` / ``load``: FairScale's ``FullyShardedDataParallel._rebuild_full_params`` (which
-  allocates a unit's full-parameter buffer, then all-gathers into it) raises ``MemoryError``, as a CUDA OOM there
-  does, on one rank, at the first, the middle or the last of the ``UNITS`` FSDP units, during a streamed save, a
-  gathered save (``stream_checkpoint=False``) or ``fit(ckpt_path=...)``'s per-unit load. All six cases (rank 0 and
-  1, three units) run one after the other in the same processes: after each failure the next save (or load) must
-  succeed, with the same values.
+- ``streamed`` / ``gathered``: FairScale's ``FullyShardedDataParallel._rebuild_full_params`` (which allocates a
+  unit's full-parameter buffer, then all-gathers into it) raises ``MemoryError``, as a CUDA OOM there does, on one
+  rank, at the first, the middle or the last of the ``UNITS`` FSDP units, during a streamed save or a gathered save
+  (``stream_checkpoint=False``). All six cases (rank 0 and 1, three units) run one after the other in the same
+  processes: after each failure the next save must succeed, with the same values.
+- ``load``: the same six cases in ``fit(ckpt_path=...)``'s load of the model state: on one rank, torch's copy into the
+  parameters of the first, middle or last unit (its shard, or its gathered full parameters where the load gathers
+  the units) raises ``MemoryError`` inside torch's dispatch, as a CUDA OOM of the copy's staging buffer does. The load
+  has no collective left that the other rank could wait in: it must still raise on every rank.
 - ``allocations``: the allocations around the optimizer-state gathers fail: rank 0's receive buffers
   (``torch.empty_like``), and a rank's move of its state to the gather device (``Tensor.to``) after which the
   device stays out of memory (every later ``torch.zeros``/``zeros_like``/``empty``/``empty_like``/``Tensor.to``/
@@ -30,11 +33,12 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, Generator, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, Optional, Set, Tuple
 from unittest import mock
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel, full_parameters
@@ -81,6 +85,34 @@ class FailingRebuild:
             yield
         finally:
             self.rank = None
+
+
+class FailingUnitCopy(TorchDispatchMode):
+    """While armed (entered) on global rank ``rank``: torch's first ``copy_`` into the parameters of the ``fail_on``-th
+    FSDP unit with parameters of ``module`` (in module order) raises ``MemoryError`` from inside torch's dispatch. The
+    destination is told by its storage: the unit's shard (``_fp32_shard``) or whatever its flat parameter's data is at
+    that moment (the full parameters while ``summon_full_params`` gathers them)."""
+
+    def __init__(self, module: torch.nn.Module, rank: int, fail_on: int) -> None:
+        super().__init__()
+        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel) and m.params]
+        self.unit, self.rank, self.raised = units[fail_on - 1], rank, 0
+        self.fail_on = fail_on
+
+    def _destinations(self) -> Set[int]:
+        tensors = [t for p in self.unit.params for t in (p.data, getattr(p, "_fp32_shard", p.data))]
+        return {t.untyped_storage().data_ptr() for t in tensors} - {0}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (
+            func is torch.ops.aten.copy_.default
+            and self.rank == global_rank()
+            and not self.raised
+            and args[0].untyped_storage().data_ptr() in self._destinations()
+        ):
+            self.raised += 1
+            raise _oom(f"copy into unit {self.fail_on}")
+        return func(*args, **(kwargs or {}))
 
 
 class OutOfMemoryFrom:
@@ -206,18 +238,18 @@ def save_cases(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def load_cases(args: argparse.Namespace) -> Dict[str, Any]:
-    fault = FailingRebuild()
     trainer, path = _fitted(args, _model())
     expected = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
     before = sha256(path) if trainer.is_global_zero else None
     cases = []
     for rank, position in CASES:
         strategy = CPUFullyShardedStrategy()
-        original_load, start = strategy.load_model_state_dict, [0.0]
+        original_load, start, faults = strategy.load_model_state_dict, [0.0], []
 
         def load_model_state_dict(checkpoint: Any, rank: int = rank, position: str = position) -> None:
             start[0] = time.monotonic()
-            with fault.armed(rank, POSITIONS[position]):
+            faults.append(FailingUnitCopy(strategy.lightning_module, rank, POSITIONS[position]))
+            with faults[-1]:
                 original_load(checkpoint)
 
         strategy.load_model_state_dict = load_model_state_dict
@@ -235,8 +267,8 @@ def load_cases(args: argparse.Namespace) -> Dict[str, Any]:
         outcome["retry_equal"] = all(k in restored and torch.equal(expected[k], restored[k]) for k in expected)
         if trainer.is_global_zero:
             outcome.update(after=sha256(path), files=sorted(p.name for p in path.parent.iterdir()))
-        cases.append({"fail_rank": rank, "position": position, "injected": fault.raised, **outcome})
-        fault.raised = 0
+        injected = sum(fault.raised for fault in faults)
+        cases.append({"fail_rank": rank, "position": position, "injected": injected, **outcome})
     return {"rank": trainer.global_rank, "before": before, "cases": cases, "trains": _trains(model)}
 
 

@@ -13,9 +13,10 @@ from unittest import mock
 import torch
 from torch.utils.data import DataLoader
 
+from fsdp_harness.checkpoint_reads import LoadTraffic
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.memory_sampler import MIB, PeakMemory
-from fsdp_harness.models import FSDPModel, full_parameters, optimizer_parameter_names
+from fsdp_harness.models import _clean_key, FSDPModel, full_parameters, optimizer_parameter_names
 from fsdp_harness.scenario import global_rank, main
 from pytorch_lightning import Callback, LightningModule, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -300,13 +301,26 @@ def fit(args: argparse.Namespace) -> Dict[str, Any]:
             )
 
         strategy.load_optimizer_state_dict = load_with_cuda_root
+    traffic = LoadTraffic()
+    traffic.install(strategy)
     trainer.fit(model, ckpt_path=args.ckpt)
     order = next(c for c in trainer.callbacks if isinstance(c, RestoreOrder))
     return report(
         args, trainer, model, syncs=len(syncs), state_devices_ok=devices_ok, sharded_in=model.sharded_in,
         restored_at_fit_start=order.restored_at_fit_start, sync_devices=sorted(sync_devices),
-        placement=placement(trainer, model), background_saves=len(background),
+        placement=placement(trainer, model), background_saves=len(background), outside_keys=outside_keys(model),
+        **{f"load_{key}": value for key, value in traffic.result().items()},
     )
+
+
+def outside_keys(model: ResumeModel) -> List[str]:
+    """The state-dict keys of the parameters outside FSDP and of all buffers (FSDP does not shard buffers): what
+    every rank loads whole."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    inside = {id(p) for m in model.modules() if isinstance(m, FullyShardedDataParallel) for p in m.parameters()}
+    names = [n for n, p in model.named_parameters() if id(p) not in inside] + [n for n, _ in model.named_buffers()]
+    return sorted(_clean_key(n) for n in names)
 
 
 def placement(trainer: Trainer, model: ResumeModel) -> Dict[str, Any]:

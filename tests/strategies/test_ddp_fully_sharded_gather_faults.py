@@ -1,6 +1,7 @@
 """No hang when FairScale's own gather of a unit fails on one rank, when an allocation around the optimizer-state
 gathers fails, or when global rank 0's disk is slow: before each collective of a checkpoint's per-unit loops the ranks
-agree over the gloo checkpoint group that all of them can take part.
+agree over the gloo checkpoint group that all of them can take part. A copy into a unit that fails on one rank while
+the model state loads (without collectives) raises on every rank through the restore's failure exchange.
 
 Runs ``tests/strategies/fsdp_gather_fault_scenarios.py`` on 2 CPU ranks (see fsdp_harness/cpu_fsdp.py); each test
 prints its worst time to raise (run pytest with ``-s``). Without the agreement, the rank that did not fail waits in
@@ -65,7 +66,8 @@ def _check_case(results: List[Dict[str, Any]], index: int, action: str) -> float
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("path", ["streamed", "gathered", "load"])
 def test_failure_inside_fairscale_gather_raises_on_every_rank(gather_runs: ScenarioBatch, path: str) -> None:
-    """``_rebuild_full_params`` raises ``MemoryError`` on rank 0 and on rank 1, at the first, middle and last unit."""
+    """``_rebuild_full_params`` (saves), or torch's copy into the unit's parameters (the load, which gathers no unit),
+    raises ``MemoryError`` on rank 0 and on rank 1, at the first, middle and last unit."""
     results = gather_runs.results(path)
     action = "Loading the model state from the checkpoint" if path == "load" else "Saving the checkpoint"
     cases = results[0]["cases"]

@@ -6,7 +6,7 @@ creates and wraps its layers in ``configure_sharded_model``. The CPU tests' scen
 (``resume_runs``: 1 rank, 2 ranks, then 1 rank again for the files saved on 2); each test checks its own cases.
 """
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -216,6 +216,8 @@ def plan_resume_reshards(
 
 
 def plan_reshards(batches: ScenarioBatches) -> None:
+    if "reshard-2-2/load" in batches.batch("two", 2):
+        return  # queued by another test that reads these cases
     for save_devices, load_devices in RESHARD:
         plan_resume_reshards(batches, f"reshard-{save_devices}-{load_devices}", save_devices, load_devices)
 
@@ -241,6 +243,55 @@ def check_resume_reshards(batches: ScenarioBatches, case: str, load_devices: int
         assert_same(state["params"], dict(checkpoint["state_dict"]), f"rank {rank} params")
         expected = expected_shards(saved, state["pieces"][0], load_devices, rank)
         assert_same(local_shards(state["optim"][0]), expected, f"rank {rank}")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("save_devices", "load_devices"), RESHARD)
+@queues(plan_reshards)
+def test_parallel_load_gathers_no_unit(resume_runs, save_devices, load_devices):
+    """While the strategy loads the model and optimizer state, no FSDP unit is gathered (FairScale's
+    ``_rebuild_full_params``) and no tensor passes through a collective: every rank copies its own shards."""
+    for result in resume_runs.results(f"reshard-{save_devices}-{load_devices}/load"):
+        assert result["load_bytes_read"] > 0, result  # the load ran, inside the counters
+        assert result["load_unit_gathers"] == 0, result
+        assert result["load_collective_bytes"] == 0, result["load_collective_calls"]
+
+
+def share_of_reads(checkpoint: Dict[str, Any], outside: List[str], world_size: int) -> Tuple[float, int]:
+    """A rank's share of the bytes of FSDP tensors in ``checkpoint`` (parameters and their optimizer state, S/N), and
+    the bytes every rank reads whole: the parameters outside FSDP, buffers, their optimizer state, and scalars."""
+    def nbytes(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    sharded, whole = 0, 0
+    for key, value in checkpoint["state_dict"].items():
+        if key in outside:
+            whole += nbytes(value)
+        else:
+            sharded += nbytes(value)
+    for opt_state in checkpoint["optimizer_states"]:
+        for index, state in opt_state["state"].items():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() and opt_state["param_names"][index] not in outside:
+                    sharded += nbytes(value)
+                elif torch.is_tensor(value):
+                    whole += nbytes(value)
+    return sharded / world_size, whole
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("save_devices", [2, 1])
+@queues(plan_reshards)
+def test_parallel_load_reads_each_rank_share(resume_runs, save_devices):
+    """Each of 2 ranks reads at most 1.1 x its share of the checkpoint's FSDP tensors (S/N) plus what lies outside
+    FSDP, counted at the tensor level (``fsdp_harness/checkpoint_reads.py``), also from a file saved on 1 rank."""
+    case = f"reshard-{save_devices}-2"
+    checkpoint = load_checkpoint(resume_runs.folder(f"{case}/save") / "ckpts" / "epoch=0.ckpt")
+    for result in resume_runs.results(f"{case}/load"):
+        share, whole = share_of_reads(checkpoint, result["outside_keys"], 2)
+        assert share > 0
+        read = result["load_bytes_read"]
+        assert 0.9 * share <= read <= 1.1 * share + whole, (read, share, whole)
 
 
 def plan_test_from_checkpoint(batches: ScenarioBatches) -> None:

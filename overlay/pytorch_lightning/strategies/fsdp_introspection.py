@@ -1,11 +1,12 @@
 """What ``DDPFullyShardedStrategy``'s checkpoints read of FairScale's FSDP: its instances in a module, the pieces of
-their flat parameters, the shards each rank holds and the ranges of a flat tensor those shards cover.
+their flat parameters (and their state-dict keys), the shards each rank holds and the ranges of a flat tensor those
+shards cover, which a rank copies from the pieces' full tensors (:func:`_copy_flat_slice`).
 
 The hooks are the fork's FSDP modules, which find FSDP instances and flat-parameter pieces only through these
 functions.
 """
 # fork-feature: fork/fsdp-restore-after-sharding.patch
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch.nn import Module
@@ -85,3 +86,59 @@ def _piece_offsets(flat: torch.nn.Parameter) -> List[int]:
     for numel in flat._param_numels:
         starts.append(starts[-1] + numel)
     return starts
+
+
+def _flat_parameter_keys(
+    prefix: str, instance: "FullyShardedDataParallel", flat: torch.nn.Parameter
+) -> Tuple[List[Tuple[str, torch.Size]], List[Tuple[str, torch.Size]]]:
+    """The state-dict keys and shapes of the original parameters that the parameter ``flat`` of the FSDP instance
+    ``instance`` (under ``prefix`` in the LightningModule) holds, in its order, and those of the names that share one
+    of them (tied weights: no piece of their own, the state dict has them under each name). With
+    ``flatten_parameters=False`` ``flat`` is one original parameter."""
+
+    def key(*names: str) -> str:
+        return _clean_fsdp_key(".".join(name for name in (prefix, *names) if name))
+
+    if not hasattr(flat, "_param_infos"):
+        name = next(n for n, p in instance.named_parameters() if p is flat)
+        return [(key(name), flat._orig_size)], []
+    pieces = [(key(m_name, n), shape) for (m_name, _, n), shape in zip(flat._param_infos, flat._param_shapes)]
+    index = {(m_name, n): i for i, (m_name, _, n) in enumerate(flat._param_infos)}
+    tied = [
+        (key(m_name, n), flat._param_shapes[index[(shared_name, shared_n)]])
+        for m_name, shared_name, _, n, _, shared_n in flat._shared_param_infos
+    ]
+    return pieces, tied
+
+
+def _shard_range(total: int, rank: int, world_size: int) -> Tuple[int, int, int]:
+    """The size of every rank's shard of a flat tensor of ``total`` elements, and where this rank's starts and ends
+    in it: FairScale shards as ``torch.flatten(full).chunk(world_size)[rank]``, zero-padded to the first chunk's
+    size (a rank past the last chunk holds padding only)."""
+    chunk = -(-total // world_size)
+    return chunk, min(rank * chunk, total), min((rank + 1) * chunk, total)
+
+
+def _copy_flat_slice(out: torch.Tensor, tensors: Sequence[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
+    """Fill the 1-d ``out`` with ``torch.cat([t.flatten() for t in tensors]).chunk(world_size)[rank]``, zero-padded as
+    FSDP pads its shards, reading only the elements of that chunk of ``tensors``: on a contiguous (memory-mapped)
+    tensor the read is a slice of a view, which pages in only its own bytes (a non-contiguous one, from a file
+    another program wrote, is copied whole first). Returns ``out``."""
+    chunk, start, end = _shard_range(sum(t.numel() for t in tensors), rank, world_size)
+    if out.numel() != chunk:
+        raise RuntimeError(f"a shard of {chunk} elements does not fit a tensor of {out.numel()}")
+    written, offset = 0, 0
+    for tensor in tensors:
+        lo, hi = max(start - offset, 0), min(end - offset, tensor.numel())
+        if lo < hi:
+            out[written : written + hi - lo].copy_(tensor.reshape(-1)[lo:hi])
+            written += hi - lo
+        offset += tensor.numel()
+    out[written:].zero_()
+    return out
+
+
+def _flat_slice(tensors: Sequence[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
+    """A new tensor holding :func:`_copy_flat_slice` of ``tensors``, of the first one's dtype and device."""
+    chunk, _, _ = _shard_range(sum(t.numel() for t in tensors), rank, world_size)
+    return _copy_flat_slice(tensors[0].new_empty(chunk), tensors, rank, world_size)

@@ -16,7 +16,11 @@ from pytorch_lightning.utilities.apply_func import apply_to_collection
 from pytorch_lightning.strategies import fsdp_portable_optimizer_state
 from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_guarded_gathers import _agreeing_fairscale_collectives
-from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances, _outermost_fsdp_instances
+from pytorch_lightning.strategies.fsdp_introspection import (
+    _flat_slice,
+    _fsdp_instances,
+    _outermost_fsdp_instances,
+)
 from pytorch_lightning.strategies.fsdp_portable_optimizer_state import (
     _check_optimizer_state_fits,
     _is_rank_zero_shard,
@@ -569,26 +573,10 @@ def _shard_of_entry(values: List[Any], root: "FullyShardedDataParallel", not_sha
         per_rank = values[-1]
         return per_rank[0] if root.rank >= len(per_rank) else per_rank[root.rank]
     if torch.is_tensor(values[-1]):
-        flat = [v.reshape(-1) for v in values]
-        return torch.cat(flat) if not_sharded else _flat_slice(flat, root.rank, root.world_size)
+        # not sharded: the whole flat tensor, as the one shard of a world of one
+        return _flat_slice(values, 0, 1) if not_sharded else _flat_slice(values, root.rank, root.world_size)
     # a non-tensor entry (e.g. an int ``step``) is the same for all parameters of one flat parameter
     return values[-1]
-
-
-def _flat_slice(tensors: List[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
-    """``torch.cat(tensors).chunk(world_size)[rank]``, zero-padded to the first chunk's size as FSDP pads its
-    shards, copying only the elements of that chunk."""
-    total = sum(t.numel() for t in tensors)
-    chunk = -(-total // world_size)
-    start, end = min(rank * chunk, total), min((rank + 1) * chunk, total)
-    pieces, offset = [], 0
-    for tensor in tensors:
-        lo, hi = max(start - offset, 0), min(end - offset, tensor.numel())
-        if lo < hi:
-            pieces.append(tensor[lo:hi])
-        offset += tensor.numel()
-    shard = torch.cat(pieces) if pieces else tensors[0].new_empty(0)
-    return torch.nn.functional.pad(shard, [0, chunk - shard.numel()])
 
 
 class _StateDictProvider:

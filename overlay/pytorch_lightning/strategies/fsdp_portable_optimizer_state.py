@@ -27,7 +27,12 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from pytorch_lightning.strategies.fsdp_introspection import _clean_fsdp_key, _flat_parameter_pieces, _fsdp_instances
+from pytorch_lightning.strategies.fsdp_introspection import (
+    _clean_fsdp_key,
+    _flat_parameter_pieces,
+    _flat_slice,
+    _fsdp_instances,
+)
 from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_error_type
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
@@ -386,8 +391,6 @@ def _shard_of_pieces(
     """This rank's state of the flat parameter of the FSDP ``instance`` from the states of its ``pieces`` (of the
     given ``shapes``). A piece without state (a parameter that got no gradient in the run that saved it, e.g. an
     unused pooler) counts as zeros, which is what FSDP's own state holds for it."""
-    from pytorch_lightning.strategies.fsdp_optimizer_state import _flat_slice
-
     elementwise = _elementwise_keys(pieces)
     present = [piece for piece in pieces if piece is not None]
     shard: Dict[str, Any] = {}
@@ -397,7 +400,7 @@ def _shard_of_pieces(
             continue
         like = next(piece[key] for piece in present if key in piece)
         flat = [
-            piece[key].reshape(-1) if piece is not None and key in piece else like.new_zeros(shape).reshape(-1)
+            piece[key] if piece is not None and key in piece else like.new_zeros(shape)
             for piece, shape in zip(pieces, shapes)
         ]
         shard[key] = _flat_slice(flat, instance.rank, instance.world_size)

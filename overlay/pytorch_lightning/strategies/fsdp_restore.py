@@ -1,5 +1,7 @@
 """Restore after sharding: ``DDPFullyShardedStrategy`` restores the checkpoint once ``configure_sharded_model`` has
-created and wrapped the layers, and loads the full state dict into the sharded model one FSDP unit at a time.
+created and wrapped the layers, and loads the full state dict into the sharded model in parallel: every rank copies
+into its own shard of each FSDP flat parameter the elements of that shard's range of the (memory-mapped) full tensors,
+reading only those. No unit is gathered and no collective carries tensor data.
 
 The hooks are ``DDPFullyShardedStrategy``'s ``load_model_state_dict`` (through its base class), ``setup`` (which
 records the FSDP instances), and ``Trainer._run`` (which restores before ``on_fit_start``).
@@ -7,15 +9,16 @@ records the FSDP instances), and ``Trainer._run`` (which restores before ``on_fi
 # fork-feature: fork/fsdp-restore-after-sharding.patch
 from typing import Any, Callable, List, Mapping, Set, TYPE_CHECKING
 
+import torch
 
 from pytorch_lightning.overrides.fairscale import _FAIRSCALE_FULLY_SHARDED_AVAILABLE
-from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
-from pytorch_lightning.strategies.fsdp_guarded_gathers import _gather_units_one_at_a_time
 from pytorch_lightning.strategies.fsdp_introspection import (
     _clean_fsdp_key,
+    _copy_flat_slice,
+    _flat_parameter_keys,
+    _flat_shard,
     _fsdp_instances,
     _named_fsdp_instances,
-    _own_parameters,
 )
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -66,18 +69,13 @@ def _load_model_state_dict(
     if not instances:
         return load_unsharded(checkpoint)
     state_dict = checkpoint["state_dict"]
-    loaded, missing = set(), []
-    # ``summon_full_params`` is a collective: the ranks agree before each of its gathers that all of them can take
-    # part, so a failure on one rank (copying a unit, or allocating its full parameters inside FairScale) stops
-    # every rank before the next gather; the failing rank raises its error, the others ``_PeerFailed``
-    guard = _new_checkpoint_guard(strategy)
-
-    def load(prefix: str, instance: "FullyShardedDataParallel") -> None:
-        missing.extend(_load_unit(prefix, instance, state_dict, loaded))
-
-    _gather_units_one_at_a_time(instances, guard, strategy._process_group, load)
-    guard.settle()
-    guard.raise_if_failed()
+    loaded: Set[str] = set()
+    missing: List[str] = []
+    # No collective: every rank copies its own shards, so a failure on one rank (an allocation, a read of the file)
+    # leaves the others nowhere to wait; ``CheckpointConnector.restore_model`` raises it on every rank
+    for prefix, instance in instances:
+        for flat in instance.params:
+            missing.extend(_load_shard(prefix, instance, flat, state_dict, loaded))
     flat_ids = {id(p) for _, instance in instances for p in instance.params}
     flat_names = {_clean_fsdp_key(n) for n, p in module.named_parameters() if id(p) in flat_ids}
     rest = {key: value for key, value in state_dict.items() if key not in loaded}
@@ -90,21 +88,30 @@ def _load_model_state_dict(
         )
 
 
-def _load_unit(
-    prefix: str, instance: "FullyShardedDataParallel", state_dict: Mapping[str, Any], loaded: Set[str]
+def _load_shard(
+    prefix: str,
+    instance: "FullyShardedDataParallel",
+    flat: torch.nn.Parameter,
+    state_dict: Mapping[str, Any],
+    loaded: Set[str],
 ) -> List[str]:
-    """Copy the values of the gathered parameters of the FSDP instance ``instance`` (not those of the instances
-    inside it) from ``state_dict``, adding their keys to ``loaded``; returns the keys it lacks."""
-    missing = []
-    for key, param in _own_parameters(prefix, instance):
-        if key not in state_dict:
-            missing.append(key)
-            continue
-        if param.shape != state_dict[key].shape:
+    """Copy this rank's shard of the parameter ``flat`` of the FSDP instance ``instance`` (under ``prefix``) from the
+    full tensors in ``state_dict`` of the original parameters it holds, reading only the shard's elements, and add
+    their keys (and those of the names tied to them) to ``loaded``; returns the keys it lacks, and copies nothing
+    then. The shard's range comes from the full tensors, so a file saved at any world size loads."""
+    pieces, tied = _flat_parameter_keys(prefix, instance, flat)
+    present = [(key, shape) for key, shape in pieces + tied if key in state_dict]
+    for key, shape in present:
+        if state_dict[key].shape != shape:
             raise RuntimeError(
                 f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)} from"
-                f" checkpoint, the shape in current model is {tuple(param.shape)}."
+                f" checkpoint, the shape in current model is {tuple(shape)}."
             )
-        param.copy_(state_dict[key])
-        loaded.add(key)
+    loaded.update(key for key, _ in present)
+    missing = [key for key, _ in pieces + tied if key not in state_dict]
+    if not missing:
+        with torch.no_grad():
+            _copy_flat_slice(
+                _flat_shard(flat).view(-1), [state_dict[key] for key, _ in pieces], instance.rank, instance.world_size
+            )
     return missing
