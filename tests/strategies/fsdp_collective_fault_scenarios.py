@@ -12,7 +12,8 @@ per-unit local operation of one loop raise on global rank ``--fail-rank`` only:
   ``get_param_views`` (of the FlattenParamsWrapper), elsewhere the per-unit move of the unit's optimizer state to the
   gather device;
 - ``load``: ``torch.Tensor.copy_`` of the per-unit model load, during ``fit(ckpt_path=...)``;
-- ``reshard``: the re-sharding of the optimizer state (``_shard_optimizer_state``), during ``fit(ckpt_path=...)``.
+- ``reshard``: the re-sharding of the optimizer state into each flat parameter (``_shard_of_pieces``), during
+  ``fit(ckpt_path=...)``.
 
 Every rank catches what escapes and writes, to ``<out>/rank<N>.json``, the type, message and cause of the error and
 the seconds from the start of the faulty save or load (after a barrier) to the raise. Rank 0 records the sha256 of
@@ -29,6 +30,7 @@ from unittest import mock
 import torch
 
 import pytorch_lightning.strategies.fsdp_optimizer_state as fsdp_optimizer_state
+import pytorch_lightning.strategies.fsdp_portable_optimizer_state as portable
 import pytorch_lightning.utilities.host_memory as host_memory
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
@@ -182,7 +184,7 @@ def load_side(args: argparse.Namespace) -> Dict[str, Any]:
                 fault.armed = False
 
         strategy.load_optimizer_state_dict = load_optimizer_state_dict
-        fsdp_optimizer_state._shard_optimizer_state = fault.wrap(fsdp_optimizer_state._shard_optimizer_state)
+        portable._shard_of_pieces = fault.wrap(portable._shard_of_pieces)
     trainer = _trainer(args, strategy=strategy, max_epochs=2)
     result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": False}
     try:
@@ -209,7 +211,7 @@ def _patched_attributes() -> Any:
         (fsdp_module, "_post_state_dict_hook"),
         (FlattenParamsWrapper, "get_param_views"),
         (fsdp_optimizer_state, "_optimizer_state_to_gather_device"),
-        (fsdp_optimizer_state, "_shard_optimizer_state"),
+        (portable, "_shard_of_pieces"),
         (host_memory, "PROC_ROOT"),
         (torch.Tensor, "copy_"),
     ):

@@ -28,7 +28,7 @@ BATCH_TIMEOUT = 420
 
 
 def fail_on(loop: str) -> str:
-    # one outermost FSDP instance, so one re-shard; one memory check
+    # the first flat parameter's re-shard; one memory check
     return "1" if loop in ("reshard", "state_dict_memory") else "2"
 
 
