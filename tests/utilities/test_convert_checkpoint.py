@@ -172,24 +172,26 @@ def test_round_trip(source, tmp_path):
     assert _leftovers(tmp_path) == []
 
 
-def test_cli_shows_progress_and_refuses_to_overwrite(source, tmp_path):
+def test_cli_shows_progress_and_refuses_to_overwrite(source, tmp_path, capsys):
     """The command line converts with a progress bar; a second run refuses to overwrite (exit code 2, one line, the
-    directory untouched), and ``--force`` replaces it."""
+    directory untouched), and ``--force`` replaces it. The first run is the real command line; the others call its
+    ``main`` in this process, to spare the suite two interpreter starts."""
     dst = tmp_path / "out.dcp"
     first = _cli(source, dst, "--to", "dcp")
     assert first.returncode == 0, first.stderr
     assert "100%" in first.stderr and "24/24 tensors" in first.stderr, first.stderr
     inode = dst.stat().st_ino
 
-    refused = _cli(source, dst, "--to", "dcp")
-    assert refused.returncode == 2, refused.stderr
-    assert refused.stderr.splitlines() == [f"python -m {CLI}: error: {dst} exists; pass `--force` (`force=True`) to"
-                                           " replace it."]
+    with pytest.raises(SystemExit) as refused:
+        main([str(source), str(dst), "--to", "dcp"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"python -m {CLI}: error: {dst} exists; pass `--force` (`force=True`) to replace it."
+    ]
     assert dst.stat().st_ino == inode
 
-    forced = _cli(source, dst, "--to", "dcp", "--force", "--no-progress")
-    assert forced.returncode == 0, forced.stderr
-    assert "%" not in forced.stderr
+    assert main([str(source), str(dst), "--to", "dcp", "--force", "--no-progress"]) in (None, 0)
+    assert "%" not in capsys.readouterr().err
     assert dst.stat().st_ino != inode and sorted(p.name for p in dst.iterdir()) == [".metadata", "__0_0.distcp"]
     assert _leftovers(tmp_path) == []
 
