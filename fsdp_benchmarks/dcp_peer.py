@@ -101,6 +101,7 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
         dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
     save = {**save_meter.result(), "bytes_written": meter.snapshot()["bytes_written"] - before["bytes_written"]}
     dist.barrier()
+    save["files_bytes"] = _files_of(directory, rank)  # cross-check of the meter: the sizes of this rank's own files
     expected = _local(_state(model, optimizer))
     parameters = sum(p.numel() for p in model.parameters())  # DTensor: the full parameter's count
     del model, optimizer
@@ -138,7 +139,6 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
         "write_mbps": meter.write_mbps,
         "save": save,
         "load": load,
-        "files_bytes": _files_of(directory, rank),
     }
     if rank == 0:
         optimizer_values = int(totals[0])

@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 #: exists in GPU mode only.
 _RANK_FIELDS = ("peak_extra_mb", "peak_extra_anon_file_mb", "peak_extra_file_mb", "seconds", "sample_hz",
                 "cuda_max_allocated_mb", "stall_seconds", "first_stall_seconds", "bytes_read", "collective_bytes",
-                "unit_gathers", "state_seconds", "bytes_written")
+                "unit_gathers", "state_seconds", "bytes_written", "files_bytes")
 MIB = 1024 * 1024
 
 
@@ -68,6 +68,8 @@ def make_run(config: str, world_size: int, ranks: List[Dict[str, Any]], complete
     }
     if "stream_check" in rank0:
         run["stream_check"] = {k: rank0["stream_check"][k] for k in ("compared", "mismatched")}
+    if "tensor_check" in rank0:
+        run["tensor_check"] = {k: rank0["tensor_check"][k] for k in ("compared", "mismatched")}
     return run
 
 
@@ -127,6 +129,8 @@ def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
             rows.append(head + cells + ["", "", ""])
         stream = run.get("stream_check")
         ok = ("yes" if run["ok"] else "NO") + (f", {stream['compared']} tensors = gathered" if stream else "")
+        loaded = run.get("tensor_check")
+        ok += f", {loaded['compared']} shards loaded = saved" if loaded else ""
         cells = ["node", _x(run["node_save_peak_extra_anon_file_mb"], size),
                  f"{run['node_save_peak_extra_mb']:.1f}", "", "",
                  _x(run["node_load_peak_extra_mb"], size), f"{run['node_load_peak_extra_file_mb']:.1f}", "", "", ""]
