@@ -130,12 +130,13 @@ def _metered_write(original: Any) -> Any:
 
 
 def install(directory: str, write_mbps: Optional[float] = None) -> CheckpointIOMeter:
-    """Meter (and with ``write_mbps`` throttle) this process's I/O to files under ``directory``, from now on."""
+    """Meter (and with ``write_mbps`` throttle) this process's I/O to files under ``directory``, from now on. Called
+    again (the next scenario of a batch), it starts a new meter for the new directory; the wrappers stay."""
     global _meter
-    if _meter is not None:
-        raise RuntimeError("the checkpoint I/O meter is already installed in this process")
+    wrapped = _meter is not None
     _meter = CheckpointIOMeter(directory, write_mbps)
-    io.open = builtins.open = _metered_open(io.open)
-    os.pwrite = _metered_write(os.pwrite)
-    os.write = _metered_write(os.write)
+    if not wrapped:
+        io.open = builtins.open = _metered_open(io.open)
+        os.pwrite = _metered_write(os.pwrite)
+        os.write = _metered_write(os.write)
     return _meter

@@ -27,9 +27,10 @@ from the repository root. Every rank:
 5. writes ``<out>/rank<N>.json`` (with the ``pytorch_lightning`` it imported, so the runner can check the build)
    (or, when it raises, ``<out>/rank<N>.error``; see :mod:`fsdp_harness.scenario`).
 
-In every scenario each rank first installs :mod:`fsdp_benchmarks.checkpoint_io_meter` over the checkpoint directory:
-the save's ``bytes_written`` are this rank's writes into it during the measured save, and with ``--write-mbps B``
-every checkpoint write of the rank is throttled to B MB/s (an emulated per-writer link, not a real one).
+In ``save_and_resume`` and ``dcp_save_and_resume`` each rank first installs
+:mod:`fsdp_benchmarks.checkpoint_io_meter` over the checkpoint directory: the save's ``bytes_written`` are this rank's
+writes into it during the measured save, and with ``--write-mbps B`` every checkpoint write of the rank is throttled
+to B MB/s (an emulated per-writer link, not a real one).
 
 ``dcp_save_and_resume`` is the torch DCP peer (:mod:`fsdp_benchmarks.dcp_peer`), measured the same way without
 Lightning; the runner starts its ranks itself.
