@@ -9,11 +9,19 @@ bounded by a timeout. Each rank measures the extra memory (peak minus baseline: 
 file pages) and wall time of ``trainer.save_checkpoint`` and of resuming with ``fit(ckpt_path=...)`` in a fresh
 Trainer; rank 0 checks the file against the gathered parameters. Prints a table (per-rank rows and node totals, MiB
 and x S), and optionally writes JSON (``--json``) and a plot (``--plot``). Exits non-zero when any run fails its check.
+
+Each rank also counts the bytes it writes into the checkpoint during the measured save (instrumented in the worker,
+:mod:`fsdp_benchmarks.checkpoint_io_meter`). ``--write-mbps B`` throttles every rank's checkpoint writes to B MB/s,
+an emulation of one link per rank to shared storage; a second table gives the save time against N. The torch DCP
+peer (``dcp-fsdp2``) runs in the same invocation, its ranks started here rather than by Lightning. A configuration
+whose strategy arguments this build does not take is skipped with a "not in this build" note.
 """
 import argparse
 import json
+import os
 import platform
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -28,7 +36,7 @@ if not __package__:
 from fsdp_benchmarks import builds as lightning_builds  # noqa: E402
 from fsdp_benchmarks import configs as registry  # noqa: E402
 from fsdp_benchmarks import report  # noqa: E402
-from fsdp_harness.multiprocess import run_module  # noqa: E402
+from fsdp_harness.multiprocess import ScriptResult, run_module, run_tasks  # noqa: E402
 
 MMAP_THRESHOLD = "65536"
 
@@ -74,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--fit-steps", type=int, default=16, help="training steps of the --fit-every fits")
     parser.add_argument(
+        "--write-mbps", type=float,
+        help="emulated per-writer bandwidth: throttle every rank's checkpoint writes to this many MB/s (10^6 bytes)",
+    )
+    parser.add_argument(
         "--keep-checkpoints", action="store_true",
         help="keep each run's checkpoint in --out (to compare the files two builds write; they are S-sized)",
     )
@@ -101,9 +113,15 @@ def run_one(
         "--units", str(args.units), "--optimizer", registry.by_name(config).optimizer or args.optimizer,
         "--accelerator", accelerator,
     ]
+    if args.write_mbps:
+        worker_args += ["--write-mbps", str(args.write_mbps)]
     env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **registry.by_name(config).env}
     timeout = args.timeout or 180 + 1.0 * args.size_mb * world_size
-    result = run_module("fsdp_benchmarks.worker", worker_args, timeout=timeout, env=env, path_first=build.path_first)
+    if args.write_mbps:
+        # at the cap, rank 0 writes the checkpoint (up to 3 x S with Adam) twice when a streamed save is checked
+        # against a gathered one (1 MiB is 1.05 MB)
+        timeout += 2 * 3 * args.size_mb * 1.05 / args.write_mbps
+    result = start_ranks(registry.by_name(config), worker_args, world_size, timeout, env, build)
     (run_dir / "output.log").write_text(result.output)
     ranks, missing = [], []
     for rank in range(world_size):
@@ -129,9 +147,30 @@ def run_one(
         return report.failed_run(config, world_size, args.size_mb, detail)
     run = report.make_run(config, world_size, ranks, complete=registry.by_name(config).complete)
     run["wall_seconds"] = result.seconds
+    run["write_mbps"] = args.write_mbps
     for path in [] if args.keep_checkpoints else run_dir.glob("*.ckpt"):
         path.unlink()  # keep --out small: the checkpoints are S-sized and only needed inside the run
     return run
+
+
+def start_ranks(
+    config: registry.BenchConfig, worker_args: List[str], world_size: int, timeout: float, env: Dict[str, str],
+    build: lightning_builds.Build,
+) -> ScriptResult:
+    """Lightning configurations: rank 0 only, whose launcher starts the others; the DCP peer: every rank, as
+    ``torchrun`` would, with the usual ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables."""
+    if config.lightning:
+        return run_module("fsdp_benchmarks.worker", worker_args, timeout=timeout, env=env, path_first=build.path_first)
+    shared = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+              "WORLD_SIZE": str(world_size)}
+    envs = [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world_size)]
+    return run_tasks("fsdp_benchmarks.worker", [config.scenario, *worker_args[1:]], envs, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def fit_one(
@@ -172,12 +211,14 @@ def main(argv: List[str] = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     runs: List[Dict[str, Any]] = []
     fits: List[Dict[str, Any]] = []
-    total = len(args.devices) * len(args.configs)
+    skipped = _skipped(args.configs)
+    configs = [c for c in args.configs if c not in skipped]
+    total = len(args.devices) * len(configs)
     start = time.monotonic()
     try:
-        builds = lightning_builds.prepare((registry.by_name(c).build for c in args.configs), out)
+        builds = lightning_builds.prepare((registry.by_name(c).build for c in configs), out)
         for world_size in args.devices:
-            for config in args.configs:
+            for config in configs:
                 print(f"[{len(runs) + 1}/{total}] {config}, N={world_size}, S={args.size_mb:g} MiB, K={args.units},"
                       f" {registry.by_name(config).optimizer or args.optimizer}: running...", flush=True)
                 run = run_one(config, world_size, args, out, builds[registry.by_name(config).build])
@@ -189,7 +230,8 @@ def main(argv: List[str] = None) -> int:
                           f" ({run['node_load_x_s']:.2f} x S), ok={run['ok']}, {run['wall_seconds']:.0f} s", flush=True)
         if args.fit_every:
             for world_size in args.devices:
-                plan = [(args.configs[0], 0)] + [(c, args.fit_every) for c in args.configs]
+                lightning = [c for c in configs if registry.by_name(c).lightning]  # the DCP peer has no fit
+                plan = [(lightning[0], 0)] + [(c, args.fit_every) for c in lightning] if lightning else []
                 for config, every in plan:
                     print(
                         f"fit of {args.fit_steps} steps, {config}, N={world_size}, saving every {every}...", flush=True
@@ -202,6 +244,10 @@ def main(argv: List[str] = None) -> int:
     print(report.table(runs))
     print()
     print(report.stall_table(runs))
+    print()
+    print(report.save_time_table(runs, args.write_mbps))
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
     if fits:
         print()
         print(report.fit_table([f for f in fits if f["ok"]]))
@@ -211,8 +257,14 @@ def main(argv: List[str] = None) -> int:
         "units": args.units,
         "optimizer": args.optimizer,
         "devices": args.devices,
-        "configs": args.configs,
-        "configurations": {c.name: c.description for c in registry.CONFIGS if c.name in args.configs},
+        "configs": configs,
+        "skipped": skipped,
+        "write_mbps": args.write_mbps,
+        "write_bandwidth": (
+            f"emulated: every rank's checkpoint writes throttled to {args.write_mbps:g} MB/s in the worker"
+            if args.write_mbps else "not throttled"
+        ),
+        "configurations": {c.name: c.description for c in registry.CONFIGS if c.name in configs},
         "builds": {b.name: b.version for b in builds.values()},
         "machine": f"{platform.machine()}, {_cpu_model()}, {_cpus()} CPUs, {_memory_gb():.0f} GB RAM",
         "python": platform.python_version(),
@@ -237,6 +289,17 @@ def main(argv: List[str] = None) -> int:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _skipped(names: List[str]) -> Dict[str, str]:
+    """The chosen configurations this build cannot run, and why (printed after the tables and kept in the JSON)."""
+    skipped = {}
+    for name in names:
+        missing = registry.missing_arguments(registry.by_name(name))
+        if missing:
+            skipped[name] = f"not in this build: DDPFullyShardedStrategy takes no {', '.join(missing)}"
+            print(f"{name}: skipped, {skipped[name]}", flush=True)
+    return skipped
 
 
 def _cpu_model() -> str:

@@ -18,7 +18,15 @@ overrides the run's ``--optimizer`` for that configuration.
 ``stream_checkpoint`` is passed explicitly to every fork-build configuration, so each one measures the save path its
 name says whatever the strategy's default is; with ``True`` the worker also checks the streamed file against a
 gathered save (:attr:`BenchConfig.streams`).
+
+``scenario`` names the worker scenario that runs a configuration: ``save_and_resume`` runs Lightning's Trainer (its
+launcher starts ranks >= 1); ``dcp_save_and_resume`` is the torch DCP peer (:mod:`fsdp_benchmarks.dcp_peer`, torch
+FSDP2 and ``dcp.save``/``dcp.load`` on the same model shape and ranks, no Lightning strategy), whose ranks the runner
+starts itself. A fork-build configuration whose ``strategy_kwargs`` the build's ``DDPFullyShardedStrategy`` does not
+take (``checkpoint_writers`` before the parallel save exists) is skipped by the runner with a "not in this build"
+note (:func:`missing_arguments`).
 """
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -38,6 +46,13 @@ class BenchConfig:
     #: whether the optimizer state is saved in the portable layout (the fork's, since revision 81); ``False`` only
     #: measures the consolidated layout of revisions <= 80 (FairScale's, per FSDP root) side by side with it
     portable_optimizer_state: bool = True
+    #: the worker scenario: ``save_and_resume`` (Lightning) or ``dcp_save_and_resume`` (the torch DCP peer)
+    scenario: str = "save_and_resume"
+
+    @property
+    def lightning(self) -> bool:
+        """Whether the configuration runs Lightning's Trainer and strategy (its launcher starts ranks >= 1)."""
+        return self.scenario == "save_and_resume"
 
     @property
     def complete(self) -> bool:
@@ -83,6 +98,18 @@ _FORK_ASYNC = (
     " host memory, then every rank's thread sends them to rank 0, which writes the file; measured inside fit"
 )
 
+_PARALLEL = {"stream_checkpoint": True, "checkpoint_writers": "all"}
+_FORK_PARALLEL = (
+    "the parallel save (checkpoint_writers='all'): rank 0 writes the skeleton, every rank pwrites its own shards into"
+    " the one file; skipped on a build whose strategy has no checkpoint_writers"
+)
+_DCP = "dcp_save_and_resume"
+_DCP_PEER = (
+    "the peer, not Lightning: torch DCP with FSDP2 (fully_shard per block and root, same model shape and ranks, over"
+    " gloo), dcp.save of get_state_dict(model, optimizer) and dcp.load into fresh sharded templates: one file per"
+    " rank plus metadata, not one torch.save file"
+)
+
 CONFIGS: List[BenchConfig] = [
     BenchConfig("upstream", _PURE_1_6_5, build="compat"),
     BenchConfig(
@@ -99,6 +126,10 @@ CONFIGS: List[BenchConfig] = [
     BenchConfig("fork-stream-adam", f"{_FORK_STREAMED}; Adam", _STREAMED, optimizer="adam"),
     BenchConfig("fork-async", _FORK_ASYNC, _ASYNC),
     BenchConfig("fork-async-adam", f"{_FORK_ASYNC}; Adam", _ASYNC, optimizer="adam"),
+    BenchConfig("fork-parallel", _FORK_PARALLEL, _PARALLEL),
+    BenchConfig("fork-parallel-adam", f"{_FORK_PARALLEL}; Adam", _PARALLEL, optimizer="adam"),
+    BenchConfig("dcp-fsdp2", _DCP_PEER, scenario=_DCP),
+    BenchConfig("dcp-fsdp2-adam", f"{_DCP_PEER}; Adam", scenario=_DCP, optimizer="adam"),
     BenchConfig(
         "fork-stream-consolidated",
         f"{_FORK_STREAMED}, with the optimizer state in the consolidated layout of fork revisions <= 80 (FairScale's,"
@@ -136,6 +167,19 @@ def by_name(name: str) -> BenchConfig:
         if config.name == name:
             return config
     raise KeyError(f"unknown configuration {name!r}; known: {', '.join(c.name for c in CONFIGS)}")
+
+
+def missing_arguments(config: BenchConfig) -> List[str]:
+    """The ``strategy_kwargs`` of a fork-build Lightning configuration that the ``DDPFullyShardedStrategy`` this
+    process imports (the fork build's) does not take: such a configuration cannot run on this build."""
+    if config.build != "fork" or not config.lightning:
+        return []
+    from pytorch_lightning.strategies import DDPFullyShardedStrategy
+
+    parameters = inspect.signature(DDPFullyShardedStrategy.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    return [name for name in config.strategy_kwargs if name not in parameters]
 
 
 def names() -> List[str]:

@@ -15,6 +15,8 @@ from torch import nn
 from fsdp_harness.models import FSDPModel
 
 MIB = 1024 * 1024
+#: optimizer-state values per model parameter in a complete checkpoint
+STATE_SLOTS = {"sgd": 1, "sgd-plain": 0, "adam": 2}
 
 
 def width_for(size_mb: float, units: int) -> int:

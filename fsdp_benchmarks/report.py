@@ -5,6 +5,12 @@ Memory figures (see :mod:`fsdp_harness.memory_sampler`): **save** is anonymous m
 with the mapped file pages beside it (``*_file_mb``): they are page cache of the one checkpoint file, shared by the
 ranks of a node, so the node figure for them is the largest rank's, not a sum. Anonymous save figures stay in the
 JSON too. ``node_save_x_s`` / ``node_load_x_s`` are the node save (anon + file) and resume (anon) figures in S.
+
+``save_bytes_written`` is what the rank wrote into the checkpoint directory during the measured save (instrumented:
+:mod:`fsdp_benchmarks.checkpoint_io_meter`). ``load_bytes_read`` is, for the fork's configurations, the bytes of
+the checkpoint's tensors the strategy's loads read (:mod:`fsdp_harness.checkpoint_reads`), and for the torch DCP
+peer the bytes its file reads returned (the meter). A run's ``write_mbps`` is set when the writes were throttled, an
+emulated per-rank link, never a measured one.
 """
 import json
 from pathlib import Path
@@ -16,7 +22,7 @@ from typing import Any, Dict, List
 #: exists in GPU mode only.
 _RANK_FIELDS = ("peak_extra_mb", "peak_extra_anon_file_mb", "peak_extra_file_mb", "seconds", "sample_hz",
                 "cuda_max_allocated_mb", "stall_seconds", "first_stall_seconds", "bytes_read", "collective_bytes",
-                "unit_gathers", "state_seconds")
+                "unit_gathers", "state_seconds", "bytes_written", "files_bytes")
 MIB = 1024 * 1024
 
 
@@ -62,6 +68,8 @@ def make_run(config: str, world_size: int, ranks: List[Dict[str, Any]], complete
     }
     if "stream_check" in rank0:
         run["stream_check"] = {k: rank0["stream_check"][k] for k in ("compared", "mismatched")}
+    if "tensor_check" in rank0:
+        run["tensor_check"] = {k: rank0["tensor_check"][k] for k in ("compared", "mismatched")}
     return run
 
 
@@ -111,7 +119,7 @@ def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
             continue
         for r in run["ranks"]:
             cells = [str(r["rank"]), _x(r["save_peak_extra_anon_file_mb"], size), f"{r['save_peak_extra_mb']:.1f}",
-                     f"{r['save_seconds']:.2f}", _x(r["load_peak_extra_mb"], size),
+                     f"{r['save_seconds']:.2f}", _mib(r, "save_bytes_written"), _x(r["load_peak_extra_mb"], size),
                      f"{r['load_peak_extra_file_mb']:.1f}", f"{r['load_seconds']:.2f}", _mib(r, "load_bytes_read"),
                      _mib(r, "load_collective_bytes")]
             if gpu:
@@ -121,8 +129,10 @@ def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
             rows.append(head + cells + ["", "", ""])
         stream = run.get("stream_check")
         ok = ("yes" if run["ok"] else "NO") + (f", {stream['compared']} tensors = gathered" if stream else "")
+        loaded = run.get("tensor_check")
+        ok += f", {loaded['compared']} shards loaded = saved" if loaded else ""
         cells = ["node", _x(run["node_save_peak_extra_anon_file_mb"], size),
-                 f"{run['node_save_peak_extra_mb']:.1f}", "",
+                 f"{run['node_save_peak_extra_mb']:.1f}", "", "",
                  _x(run["node_load_peak_extra_mb"], size), f"{run['node_load_peak_extra_file_mb']:.1f}", "", "", ""]
         if gpu:
             cells += ["", ""]
@@ -132,7 +142,8 @@ def _rows(runs: List[Dict[str, Any]]) -> List[List[str]]:
 
 def _header(runs: List[Dict[str, Any]]) -> List[str]:
     gpu = ["GPU save MiB", "GPU resume MiB"] if _gpu(runs) else []
-    return ["config", "N", "rank", "save anon+file MiB (xS)", "anon", "save s", "resume anon MiB (xS)", "mapped file",
+    return ["config", "N", "rank", "save anon+file MiB (xS)", "anon", "save s", "save written MiB",
+            "resume anon MiB (xS)", "mapped file",
             "resume s", "resume read MiB", "resume collectives MiB", *gpu, "ckpt MiB", "optimizer state", "ok"]
 
 
@@ -178,6 +189,29 @@ def stall_table(runs: List[Dict[str, Any]]) -> str:
             f"{run['config']:>18}  {run['world_size']:>2}  {stall:>8.3f}  {commit:>8.2f}  {ratio:>24}  {first_cell:>18}"
         )
     return "\n".join(lines)
+
+
+def save_time_table(runs: List[Dict[str, Any]], write_mbps: Any = None) -> str:
+    """The save time (the slowest rank's) of each configuration against N, one column per world size run, and the
+    most any rank wrote; under ``--write-mbps`` labelled as the emulation it is."""
+    runs = [r for r in runs if r["ranks"]]
+    sizes = sorted({r["world_size"] for r in runs})
+    cap = f"emulated per-rank write link of {write_mbps:g} MB/s" if write_mbps else "writes not throttled"
+    lines = [f"save s against N ({cap}; most written by one rank, MiB)",
+             f"{'config':>30}" + "".join(f"  {'N=' + str(n):>16}" for n in sizes)]
+    for config in dict.fromkeys(r["config"] for r in runs):
+        cells = []
+        for n in sizes:
+            run = next((r for r in runs if r["config"] == config and r["world_size"] == n), None)
+            cells.append(_save_cell(run) if run else "")
+        lines.append(f"{config:>30}" + "".join(f"  {c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def _save_cell(run: Dict[str, Any]) -> str:
+    seconds = max(r["save_seconds"] for r in run["ranks"])
+    written = [r["save_bytes_written"] for r in run["ranks"] if "save_bytes_written" in r]
+    return f"{seconds:.2f} ({max(written) / MIB:.0f})" if written else f"{seconds:.2f}"
 
 
 def fit_table(fits: List[Dict[str, Any]]) -> str:

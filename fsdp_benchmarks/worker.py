@@ -26,6 +26,14 @@ from the repository root. Every rank:
    the ranks of one host share a page cache, so OS counters cannot split the reads between them);
 5. writes ``<out>/rank<N>.json`` (with the ``pytorch_lightning`` it imported, so the runner can check the build)
    (or, when it raises, ``<out>/rank<N>.error``; see :mod:`fsdp_harness.scenario`).
+
+In ``save_and_resume`` and ``dcp_save_and_resume`` each rank first installs
+:mod:`fsdp_benchmarks.checkpoint_io_meter` over the checkpoint directory: the save's ``bytes_written`` are this rank's
+writes into it during the measured save, and with ``--write-mbps B`` every checkpoint write of the rank is throttled
+to B MB/s (an emulated per-writer link, not a real one).
+
+``dcp_save_and_resume`` is the torch DCP peer (:mod:`fsdp_benchmarks.dcp_peer`), measured the same way without
+Lightning; the runner starts its ranks itself.
 """
 import argparse
 import os
@@ -36,8 +44,9 @@ from typing import Any, Dict, List
 import torch
 
 import pytorch_lightning
+from fsdp_benchmarks import checkpoint_io_meter
 from fsdp_benchmarks.configs import by_name
-from fsdp_benchmarks.model import CheckpointModel, state_dict_mb
+from fsdp_benchmarks.model import STATE_SLOTS, CheckpointModel, state_dict_mb
 from fsdp_harness.checkpoint_reads import LoadTraffic
 from fsdp_harness.memory_sampler import MIB, PeakMemory, memory_source
 from fsdp_harness.models import full_parameters
@@ -45,8 +54,6 @@ from fsdp_harness.scenario import main
 from fsdp_harness.tensor_compare import compare_tensors, iter_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
 
-# Optimizer-state values per model parameter in a complete checkpoint.
-STATE_SLOTS = {"sgd": 1, "sgd-plain": 0, "adam": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt-dir", type=Path, help="where the checkpoint is written (default: --out)")
     parser.add_argument("--steps", type=int, default=12, help="fit_with_checkpoints: training steps")
     parser.add_argument("--every", type=int, default=4, help="fit_with_checkpoints: save every N steps, 0: never")
+    parser.add_argument("--write-mbps", type=float, help="throttle this rank's checkpoint writes to this many MB/s")
 
 
 def make_strategy(args: argparse.Namespace) -> Any:
@@ -202,8 +210,8 @@ class SaveProbe(Callback):
     training thread. A second save follows, outside the window, whose stall is ``stall_seconds``: it reuses the host
     copies of the first, as every later save in the background of a fit does."""
 
-    def __init__(self, path: Path, cuda: bool, in_fit: bool) -> None:
-        self.path, self.cuda, self.in_fit = path, cuda, in_fit
+    def __init__(self, path: Path, cuda: bool, in_fit: bool, meter: checkpoint_io_meter.CheckpointIOMeter) -> None:
+        self.path, self.cuda, self.in_fit, self.meter = path, cuda, in_fit, meter
         self.result: Dict[str, Any] = {}
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -220,6 +228,7 @@ class SaveProbe(Callback):
         """The measured save; returns how long ``save_checkpoint`` blocked."""
         strategy = trainer.strategy
         strategy.barrier("before-save")
+        written = self.meter.snapshot()["bytes_written"]
         with PeakMemory(cuda_device=strategy.root_device if self.cuda else None) as meter:
             start = time.monotonic()
             trainer.save_checkpoint(self.path)
@@ -227,7 +236,8 @@ class SaveProbe(Callback):
             wait = getattr(strategy, "wait_for_checkpoint", None)
             if callable(wait):
                 wait()
-        self.result = {**meter.result(), "stall_seconds": stall}
+        written = self.meter.snapshot()["bytes_written"] - written
+        self.result = {**meter.result(), "stall_seconds": stall, "bytes_written": written}
         strategy.barrier("after-save")
         return stall
 
@@ -235,9 +245,10 @@ class SaveProbe(Callback):
 def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     ckpt_dir = args.ckpt_dir or args.out
     path = Path(ckpt_dir) / f"{args.config}-n{args.devices}.ckpt"
+    meter = checkpoint_io_meter.install(ckpt_dir, args.write_mbps)
     model = make_model(args)
     cuda = args.accelerator == "gpu"
-    saver = SaveProbe(path, cuda, in_fit=by_name(args.config).in_background)
+    saver = SaveProbe(path, cuda, in_fit=by_name(args.config).in_background, meter=meter)
     trainer = make_trainer(args, callbacks=[saver])
     trainer.fit(model)
     rank = trainer.global_rank
@@ -273,6 +284,7 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "lightning_version": pytorch_lightning.__version__,
         "lightning_file": pytorch_lightning.__file__,
+        "write_mbps": args.write_mbps,
         "save": saver.result,
         "load": probe.result,
     }
@@ -324,5 +336,18 @@ def fit_with_checkpoints(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def dcp_save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
+    from fsdp_benchmarks import dcp_peer  # torch DCP and FSDP2: only the peer's ranks need them
+
+    return dcp_peer.dcp_save_and_resume(args, checkpoint_io_meter.install(args.ckpt_dir or args.out, args.write_mbps))
+
+
 if __name__ == "__main__":
-    main({"save_and_resume": save_and_resume, "fit_with_checkpoints": fit_with_checkpoints}, add_arguments)
+    main(
+        {
+            "save_and_resume": save_and_resume,
+            "fit_with_checkpoints": fit_with_checkpoints,
+            "dcp_save_and_resume": dcp_save_and_resume,
+        },
+        add_arguments,
+    )

@@ -7,7 +7,8 @@ benchmark itself, never asserted here (they are too noisy for a timed unit test)
 The smoke run takes five of the seven configurations, to keep its time on 2 cores: ``fork-stream-adam`` checks the
 streamed file against a gathered save with Adam (the ``fork-adam`` path) and differs from ``fork-stream`` by the
 optimizer only. The fork-build configurations pass ``stream_checkpoint`` to the strategy, so they need a build of
-the fork that has that argument."""
+the fork that has that argument. A second, short run takes the torch DCP peer (``dcp-fsdp2``, FSDP2 and
+``dcp.save``/``dcp.load`` without Lightning) under the emulated per-writer bandwidth (``--write-mbps``)."""
 import json
 import os
 import subprocess
@@ -20,7 +21,8 @@ from fsdp_harness.multiprocess import ROOT
 MODULE = "fsdp_benchmarks.checkpoint_memory"
 CONFIGS = [
     "upstream", "rank0-only", "fork", "fork-stream", "upstream-adam", "fork-adam", "fork-stream-adam",
-    "fork-async", "fork-async-adam", "fork-stream-consolidated", "fork-stream-adam-consolidated", "fork-no-agreement",
+    "fork-async", "fork-async-adam", "fork-parallel", "fork-parallel-adam", "dcp-fsdp2", "dcp-fsdp2-adam",
+    "fork-stream-consolidated", "fork-stream-adam-consolidated", "fork-no-agreement",
     "fork-stream-no-agreement",
 ]
 SMOKE_CONFIGS = ["upstream", "rank0-only", "fork", "upstream-adam", "fork-stream-adam"]
@@ -34,10 +36,13 @@ RUN_KEYS = {
 RANK_KEYS = {
     "rank", "save_peak_extra_mb", "save_peak_extra_anon_file_mb", "save_peak_extra_file_mb", "save_seconds",
     "load_peak_extra_mb", "load_peak_extra_anon_file_mb", "load_peak_extra_file_mb", "load_seconds",
-    "load_state_seconds", "load_bytes_read", "load_collective_bytes", "load_unit_gathers",
+    "load_state_seconds", "load_bytes_read", "load_collective_bytes", "load_unit_gathers", "save_bytes_written",
 }
 #: the counts among ``RANK_KEYS`` (the rest are MiB and seconds)
-RANK_COUNTS = {"rank", "load_bytes_read", "load_collective_bytes", "load_unit_gathers"}
+RANK_COUNTS = {"rank", "load_bytes_read", "load_collective_bytes", "load_unit_gathers", "save_bytes_written"}
+#: what only the fork's strategy measures (its loads' own counters); the DCP peer has the file sizes instead
+STRATEGY_KEYS = {"load_state_seconds", "load_collective_bytes", "load_unit_gathers"}
+DCP_RANK_KEYS = RANK_KEYS - STRATEGY_KEYS | {"save_files_bytes"}
 
 
 def _environment():
@@ -92,9 +97,46 @@ def test_checkpoint_memory_benchmark_smoke(tmp_path):
             sum(r["save_peak_extra_anon_file_mb"] for r in run["ranks"])
         )
         assert run["node_load_peak_extra_mb"] == pytest.approx(sum(r["load_peak_extra_mb"] for r in run["ranks"]))
+        # one writer: rank 0 writes the whole file once (every save path of these builds), the other ranks nothing
+        written = [rank["save_bytes_written"] for rank in run["ranks"]]
+        assert run["checkpoint_mb"] * 2**20 <= written[0] <= run["checkpoint_mb"] * 2**20 * 1.05, written
+        assert written[1:] == [0]
     assert plot_path.stat().st_size > 1000
     # --out keeps rank results and logs, but not the S-sized checkpoints
     assert not list((tmp_path / "out").rglob("*.ckpt"))
+
+
+@pytest.mark.timeout(180)
+def test_dcp_peer_under_write_cap_smoke(tmp_path):
+    """The torch DCP peer at a tiny size, with every rank's writes throttled: each rank writes its own file (rank 0
+    also the metadata), the counted bytes match the files, every shard loads back equal, a save takes at least its
+    bytes over the cap, and a configuration this build cannot run is skipped with a note instead of failing."""
+    json_path, mbps = tmp_path / "result.json", 20.0
+    proc = run_benchmark(
+        "--devices", "2", "--size-mb", "8", "--units", "4", "--accelerator", "cpu", "--json", str(json_path),
+        "--out", str(tmp_path / "out"), "--timeout", "120", "--write-mbps", str(mbps),
+        "--configs", "dcp-fsdp2,fork-parallel", timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    result = json.loads(json_path.read_text())
+    assert "emulated per-rank write link of 20 MB/s" in proc.stdout
+    assert result["meta"]["write_mbps"] == mbps and "emulated" in result["meta"]["write_bandwidth"]
+    if "checkpoint_writers" not in proc.stdout.split("skipped fork-parallel")[-1]:
+        pytest.fail("fork-parallel ran: this build has checkpoint_writers, update the expectations")
+    assert result["meta"]["skipped"]["fork-parallel"].startswith("not in this build")
+    (run,) = result["runs"]
+    assert run["config"] == "dcp-fsdp2" and run["ok"] is True and run["write_mbps"] == mbps
+    assert run["optimizer_state_complete"] is True
+    assert run["tensor_check"]["compared"] > 0 and run["tensor_check"]["mismatched"] == []
+    share = run["state_dict_mb"] * 2**20 * 2 / 2  # weights and momentum, over 2 ranks
+    for rank in run["ranks"]:
+        assert DCP_RANK_KEYS <= set(rank), rank
+        assert rank["save_files_bytes"] == pytest.approx(share, rel=0.05)
+        # its own file, plus the metadata on rank 0
+        assert rank["save_files_bytes"] <= rank["save_bytes_written"] <= rank["save_files_bytes"] * 1.05
+        assert rank["save_seconds"] >= rank["save_bytes_written"] / (mbps * 1e6)
+        assert rank["load_bytes_read"] >= rank["save_files_bytes"]
+    assert not list((tmp_path / "out").rglob("*.distcp"))
 
 
 @pytest.mark.timeout(120)

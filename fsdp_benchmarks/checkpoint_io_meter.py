@@ -1,0 +1,142 @@
+"""Per-process instrumentation of the checkpoint's file I/O in a benchmark rank: bytes written, bytes read, and an
+emulated per-writer bandwidth. Benchmark harness only, never the library.
+
+Why instrumentation and not the OS's counters: ``/proc/self/io``'s ``write_bytes`` counts a page once, when it turns
+dirty, so a rank that ``pwrite``s into pages another rank's skeleton dirtied counts nothing, and on tmpfs nothing at
+all; ``wchar`` also counts gloo's socket writes. The ranks of one host share a page cache, so reads cannot be split
+between them by the OS either.
+
+:func:`install` wraps, in this process, every way the fork and torch DCP reach a checkpoint file:
+
+- ``io.open`` / ``builtins.open`` (which ``os.fdopen``, ``pathlib.Path.open`` and fsspec's local files go through)
+  in binary mode: the file gets a :class:`_MeteredFileIO` raw layer under the usual buffer, so the bytes counted are
+  those each ``write``/``readinto`` system call moved (torch.save of the skeleton or a gathered save, DCP's files);
+- ``os.pwrite`` / ``os.write`` (the fork's streamed writer ``pwrite``s the tensors into its temporary file).
+
+Only files inside the checkpoint directory count (by path, or for a descriptor by ``/proc/self/fd``). With a rate,
+every counted write then waits until a per-process link of that many MB/s (10^6 bytes) would have carried it:
+writes of several threads of one rank queue on the same link, as if each rank were a node with its own link to
+shared storage. Memory-mapped reads (the fork's resume) are not seen here; the fork's resume is counted by
+:mod:`fsdp_harness.checkpoint_reads` instead.
+"""
+import builtins
+import io
+import os
+import threading
+import time
+from typing import Any, Dict, Optional
+
+
+class _Link:
+    """A link of ``rate`` bytes/s shared by the threads of this process: each transfer waits for the ones before."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def transfer(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + nbytes / self.rate
+            done = self._free_at
+        time.sleep(max(0.0, done - now))
+
+
+class CheckpointIOMeter:
+    """Counts this process's bytes written to and read from files under ``directory``; throttles the writes to
+    ``write_mbps`` MB/s when given."""
+
+    def __init__(self, directory: str, write_mbps: Optional[float] = None) -> None:
+        self.directory = os.path.join(os.path.realpath(directory), "")
+        self.link = _Link(write_mbps * 1e6) if write_mbps else None
+        self.write_mbps = write_mbps
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def covers(self, file: Any) -> bool:
+        if isinstance(file, int):
+            try:
+                file = os.readlink(f"/proc/self/fd/{file}")
+            except OSError:
+                return False
+        elif not isinstance(file, (str, bytes, os.PathLike)):
+            return False
+        return os.path.realpath(os.fsdecode(file)).startswith(self.directory)
+
+    def wrote(self, nbytes: Optional[int]) -> None:
+        if not nbytes:
+            return
+        with self._lock:
+            self.bytes_written += nbytes
+        if self.link is not None:
+            self.link.transfer(nbytes)
+
+    def read(self, nbytes: Optional[int]) -> None:
+        if nbytes:
+            with self._lock:
+                self.bytes_read += nbytes
+
+    def snapshot(self) -> Dict[str, int]:
+        with self._lock:
+            return {"bytes_written": self.bytes_written, "bytes_read": self.bytes_read}
+
+
+_meter: Optional[CheckpointIOMeter] = None
+
+
+class _MeteredFileIO(io.FileIO):
+    def write(self, b: Any) -> Optional[int]:
+        written = super().write(b)
+        _meter.wrote(written)
+        return written
+
+    def readinto(self, b: Any) -> Optional[int]:
+        count = super().readinto(b)
+        _meter.read(count)
+        return count
+
+    def readall(self) -> bytes:
+        data = super().readall()
+        _meter.read(len(data))
+        return data
+
+
+def _metered_open(original: Any) -> Any:
+    def open(file: Any, mode: str = "r", buffering: int = -1, encoding: Any = None, errors: Any = None,
+             newline: Any = None, closefd: bool = True, opener: Any = None) -> Any:
+        if "b" not in mode or not _meter.covers(file):
+            return original(file, mode, buffering, encoding, errors, newline, closefd, opener)
+        raw = _MeteredFileIO(file, mode.replace("b", "").replace("t", ""), closefd=closefd, opener=opener)
+        if buffering == 0:
+            return raw
+        size = buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE
+        if raw.readable() and raw.writable():
+            return io.BufferedRandom(raw, size)
+        return io.BufferedWriter(raw, size) if raw.writable() else io.BufferedReader(raw, size)
+
+    return open
+
+
+def _metered_write(original: Any) -> Any:
+    def write(fd: int, data: Any, *args: Any) -> int:
+        written = original(fd, data, *args)
+        if _meter.covers(fd):
+            _meter.wrote(written)
+        return written
+
+    return write
+
+
+def install(directory: str, write_mbps: Optional[float] = None) -> CheckpointIOMeter:
+    """Meter (and with ``write_mbps`` throttle) this process's I/O to files under ``directory``, from now on. Called
+    again (the next scenario of a batch), it starts a new meter for the new directory; the wrappers stay."""
+    global _meter
+    wrapped = _meter is not None
+    _meter = CheckpointIOMeter(directory, write_mbps)
+    if not wrapped:
+        io.open = builtins.open = _metered_open(io.open)
+        os.pwrite = _metered_write(os.pwrite)
+        os.write = _metered_write(os.write)
+    return _meter
