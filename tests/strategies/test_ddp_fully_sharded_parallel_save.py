@@ -1,0 +1,114 @@
+"""The parallel FSDP save (``DDPFullyShardedStrategy(checkpoint_writers="all")``): global rank 0 writes the streamed
+save's structure, then every rank writes its own shards into the same file.
+
+The file must be the one the gathered save writes (``stream_checkpoint=False``), tensor by tensor, with SGD momentum
+and Adam, tied weights, parameters outside FSDP, and shards that end inside tensors and inside 4 KiB blocks; the
+ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1;
+a full disk on rank 1 raises on every rank and keeps the previous file. Scenarios in
+``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in one launch per world size.
+"""
+from typing import List, Tuple
+
+import pytest
+
+from fsdp_harness.runner import ScenarioBatches
+from pytorch_lightning.strategies.fsdp_parallel_save import _checked_checkpoint_writers
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+SCENARIOS = "tests.strategies.fsdp_parallel_save_scenarios"
+WRITERS = "all"
+BLOCK = 4096
+# model, wrapping, optimizer, width: at width 72 a weight spans several blocks and a shard ends inside it
+EQUALS = [("tied", "wrap", "sgd", 72), ("plain", "auto_wrap", "adam", 16), ("tied", "wrap", "adam", 72)]
+BATCHES = {"two": (2, 420), "one": (1, 180)}
+BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
+
+
+def _case(model: str, wrapping: str, optimizer: str, width: int) -> str:
+    return f"equals-{model}-{wrapping}-{optimizer}-{width}"
+
+
+def _options(model: str, wrapping: str, optimizer: str, width: int) -> List[str]:
+    options = ["--model", model, "--wrapping", wrapping, "--optimizer", optimizer, "--width", width]
+    return [str(option) for option in options] + ["--writers", WRITERS]
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory) -> ScenarioBatches:
+    batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("parallel"))
+    for name, (devices, timeout) in BATCHES.items():
+        batches.batch(name, devices, timeout)
+    for case in EQUALS:
+        batches.batch("two", 2).add(_case(*case), "parallel_equals_gathered", *_options(*case))
+    saved = batches.batch("two", 2).folder(_case(*EQUALS[2])) / "parallel.ckpt"
+    for name, devices in (("two", 2), ("one", 1)):
+        batches.batch(name, devices).add(f"resume-2-{devices}", "resume", *_options(*EQUALS[2]), "--ckpt", saved)
+    batches.batch("two", 2).add("fails_while_writing", "fails_while_writing", "--writers", WRITERS)
+    return batches
+
+
+def _blocks(ranges: List[Tuple[int, int]]) -> set:
+    return {block for offset, size in ranges for block in range(offset // BLOCK, (offset + size - 1) // BLOCK + 1)}
+
+
+def _covered(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """``ranges`` merged where they touch."""
+    merged: List[List[int]] = []
+    for offset, size in sorted(ranges):
+        if merged and offset <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], offset + size)
+        else:
+            merged.append([offset, offset + size])
+    return [(lo, hi) for lo, hi in merged]
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("model", "wrapping", "optimizer", "width"), EQUALS)
+def test_parallel_checkpoint_equals_gathered_checkpoint(parallel_runs, model, wrapping, optimizer, width):
+    rank0 = parallel_runs.results(_case(model, wrapping, optimizer, width))[0]
+    assert rank0["differences"] == []
+    assert rank0["tensors"] >= 20  # model and optimizer state, all compared
+    assert rank0["temporary_files"] == []
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("model", "wrapping", "optimizer", "width"), EQUALS)
+def test_ranks_write_disjoint_blocks_covering_every_fsdp_byte(parallel_runs, model, wrapping, optimizer, width):
+    """Every rank's ``pwrite``s after the structure: no block of 4 KiB is written by two ranks; together the writes
+    are exactly the FSDP records, each byte once."""
+    results = parallel_runs.results(_case(model, wrapping, optimizer, width))
+    records = results[0]["records"]
+    writes = [[tuple(w) for w in result["writes"]] for result in results]
+    assert all(writes), "every rank writes"
+    assert not _blocks(writes[0]) & _blocks(writes[1])
+    every = [w for rank_writes in writes for w in rank_writes]
+    assert _covered(every) == _covered([tuple(r) for r in records])
+    assert sum(size for _, size in every) == sum(size for _, size in records)  # no byte written twice
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("devices", [2, 1])
+def test_resume_from_parallel_checkpoint(parallel_runs, devices):
+    """A file written by every rank resumes exactly at 2 and 1 ranks: saved again, it equals what was loaded."""
+    rank0 = parallel_runs.results(f"resume-2-{devices}")[0]
+    assert rank0["differences"] == []
+    assert rank0["tensors"] >= 20
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_full_disk_on_one_rank_keeps_the_previous_checkpoint(parallel_runs):
+    """Rank 1's ``pwrite`` fails with ENOSPC: every rank raises a ``CheckpointError`` naming rank 1, the previous file
+    is untouched, no temporary file is left, and the next save works."""
+    results = parallel_runs.results("fails_while_writing")
+    for result in results:
+        assert "failed on global rank 1: " in (result["raised"] or ""), result
+        assert "No space left on device" in result["raised"]
+    assert results[0]["unchanged"] is True
+    assert results[0]["temporary_files"] == []
+    assert results[0]["after_loads"] >= 8
+
+
+def test_checkpoint_writers_is_checked():
+    assert _checked_checkpoint_writers("all") == "all"
+    with pytest.raises(MisconfigurationException, match="'rank0', 'all', 'auto'"):
+        _checked_checkpoint_writers("every")
