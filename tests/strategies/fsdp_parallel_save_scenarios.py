@@ -1,5 +1,6 @@
 """Multi-process scenarios of the parallel FSDP save (``DDPFullyShardedStrategy(checkpoint_writers="all")``) on CPU,
-run as ``python -m tests.strategies.fsdp_parallel_save_scenarios``; driven by ``test_ddp_fully_sharded_parallel_save.py``.
+run as ``python -m tests.strategies.fsdp_parallel_save_scenarios``; driven by
+``test_ddp_fully_sharded_parallel_save.py``.
 
 Every rank's ``os.pwrite`` calls into the temporary file are recorded while the ranks write their shards, and global
 rank 0 records the byte ranges of the file's FSDP records, so that the test can check that the ranks' blocks are
@@ -17,7 +18,7 @@ import torch
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Trainer, seed_everything
-from pytorch_lightning.strategies import fsdp_parallel_save, fsdp_streaming_save
+from pytorch_lightning.strategies import fsdp_streaming_save
 from pytorch_lightning.utilities.exceptions import CheckpointError
 from fsdp_harness.models import FSDPModel
 from tests.strategies.fsdp_stream_scenarios import differences, load, strategy, TiedFSDPModel
@@ -172,6 +173,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 if __name__ == "__main__":
     main(
-        {"parallel_equals_gathered": parallel_equals_gathered, "resume": resume, "fails_while_writing": fails_while_writing},
+        {
+            "parallel_equals_gathered": parallel_equals_gathered,
+            "resume": resume,
+            "fails_while_writing": fails_while_writing,
+        },
         add_arguments,
     )

@@ -8,12 +8,14 @@ a full disk on rank 1 raises on every rank and keeps the previous file. Scenario
 ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in one launch per world size.
 """
 from typing import List, Tuple
+from unittest import mock
 
 import pytest
 
 from fsdp_harness.runner import ScenarioBatches
 from pytorch_lightning.strategies.fsdp_parallel_save import _checked_checkpoint_writers
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from tests.helpers.runif import RunIf
 
 SCENARIOS = "tests.strategies.fsdp_parallel_save_scenarios"
 WRITERS = "all"
@@ -43,7 +45,8 @@ def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     saved = batches.batch("two", 2).folder(_case(*EQUALS[2])) / "parallel.ckpt"
     for name, devices in (("two", 2), ("one", 1)):
         batches.batch(name, devices).add(f"resume-2-{devices}", "resume", *_options(*EQUALS[2]), "--ckpt", saved)
-    batches.batch("two", 2).add("fails_while_writing", "fails_while_writing", "--writers", WRITERS)
+    # wide enough that rank 1 owns blocks: narrower, it may only send its bytes to rank 0
+    batches.batch("two", 2).add("fails_while_writing", "fails_while_writing", "--writers", WRITERS, "--width", 72)
     return batches
 
 
@@ -112,3 +115,52 @@ def test_checkpoint_writers_is_checked():
     assert _checked_checkpoint_writers("all") == "all"
     with pytest.raises(MisconfigurationException, match="'rank0', 'all', 'auto'"):
         _checked_checkpoint_writers("every")
+
+
+def test_blocks_touched_by_several_ranks_have_one_writer(monkeypatch):
+    """Three ranks' ranges in one block, shards that end inside a block, a record inside one block, a range over
+    several blocks: every block is written by one rank, the one whose range covers its first written byte."""
+    from pytorch_lightning.strategies.fsdp_parallel_save import _block_owners, _Extent, _split_at_blocks
+
+    extents = [
+        _Extent(0, 5000, 0, ("param", 0, 0), 0),
+        _Extent(5000, 100, 1, ("param", 0, 0), 0),
+        _Extent(5100, 100, 2, ("param", 0, 0), 0),
+        _Extent(5248, 30000, 0, ("optim", "a"), 0),
+    ]
+    parts = _split_at_blocks(extents, _block_owners(extents, BLOCK), BLOCK)
+    writers = {}
+    for owner, part in parts:
+        for block in range(part.offset // BLOCK, (part.offset + part.nbytes - 1) // BLOCK + 1):
+            assert writers.setdefault(block, owner) == owner
+    assert writers == {block: 0 for block in range(9)}
+    assert sum(part.nbytes for _, part in parts) == sum(extent.nbytes for extent in extents)
+    optimizer_parts = [(p.offset, p.at) for _, p in parts if p.source == ("optim", "a")]
+    assert optimizer_parts[:2] == [(5248, 0), (8192, 2944)]
+
+    monkeypatch.setenv("PL_CHECKPOINT_WRITE_BLOCK", "1048576")
+    from pytorch_lightning.strategies.fsdp_parallel_save import _write_block_size
+
+    assert _write_block_size() == 2**20
+    monkeypatch.setenv("PL_CHECKPOINT_WRITE_BLOCK", "1000")
+    with pytest.raises(MisconfigurationException, match="multiple of 4096"):
+        _write_block_size()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=RunIf(min_gpus=1))])
+def test_rank_file_writes_byte_ranges(tmp_path, device):
+    """A rank writes byte ranges of its shards at their offsets: CPU memory directly, GPU memory through the pinned
+    staging buffer, in steps smaller than the range."""
+    import torch
+
+    from pytorch_lightning.strategies import fsdp_parallel_save
+
+    path = tmp_path / "file.tmp"
+    path.write_bytes(bytes(64))
+    data = torch.arange(12, dtype=torch.float32, device=device).view(torch.uint8)
+    with mock.patch.object(fsdp_parallel_save, "STAGING_BYTES", 8), fsdp_parallel_save._RankFile(
+        str(path), flush_bytes=8
+    ) as file:
+        file.write(data, 4, 20, 40)
+    assert path.read_bytes()[40:60] == data.cpu().numpy().tobytes()[4:24]
+    assert path.read_bytes()[:40] == bytes(40) and path.stat().st_size == 64

@@ -228,7 +228,8 @@ def _extents(
                     first, last = max(lo, starts[piece]), min(hi, starts[piece + 1])
                     if first < last:
                         at = offset + (first - starts[piece]) * itemsize
-                        extents.append(_Extent(at, (last - first) * itemsize, rank, ("param", i, j), (first - lo) * itemsize))
+                        size, source_at = (last - first) * itemsize, (first - lo) * itemsize
+                        extents.append(_Extent(at, size, rank, ("param", i, j), source_at))
     for key, value, numel in _optimizer_shards(strategy, stream):
         for rank in range(world_size):
             _, lo, hi = _shard_range(numel, rank, world_size)
@@ -253,7 +254,9 @@ def _split_at_blocks(extents: List[_Extent], owners: Dict[int, int], block: int)
     parts = []
     for extent in extents:
         end = extent.offset + extent.nbytes
-        cuts = sorted({extent.offset, min(end, (extent.offset // block + 1) * block), max(extent.offset, (end - 1) // block * block), end})
+        first_block_end = min(end, (extent.offset // block + 1) * block)
+        last_block_start = max(extent.offset, (end - 1) // block * block)
+        cuts = sorted({extent.offset, first_block_end, last_block_start, end})
         for lo, hi in zip(cuts, cuts[1:]):
             if lo < hi:
                 owner = owners.get(lo // block, extent.rank)
@@ -275,8 +278,13 @@ def _exchange_block_bytes(
             outgoing.setdefault(owner, []).append(sources[extent.source][extent.at : extent.at + extent.nbytes])
         elif owner == rank and extent.rank != rank:
             incoming.setdefault(extent.rank, []).append(extent)
-    buffers = {peer: torch.empty(sum(e.nbytes for e in extents), dtype=torch.uint8, device=device) for peer, extents in incoming.items()}
-    requests = [torch.distributed.isend(torch.cat(data).to(device), peer, group=group) for peer, data in outgoing.items()]
+    buffers = {
+        peer: torch.empty(sum(e.nbytes for e in extents), dtype=torch.uint8, device=device)
+        for peer, extents in incoming.items()
+    }
+    requests = [
+        torch.distributed.isend(torch.cat(data).to(device), peer, group=group) for peer, data in outgoing.items()
+    ]
     requests += [torch.distributed.irecv(buffer, peer, group=group) for peer, buffer in buffers.items()]
     for request in requests:
         request.wait()
