@@ -113,12 +113,12 @@ def _write_units_by_every_rank(
     table = None
     try:
         table = _share_record_table(strategy, stream, writer, guard)
-        decision = _resolve_writers(strategy, table.path, strategy.checkpoint_writers) if table else None
+        decision = None if table is None else _resolve_writers(strategy, table.path, strategy.checkpoint_writers)
     except BaseException:
         if writer is not None:
             writer.discard()
         raise
-    if table is not None and decision is not None and decision[0] != "all":
+    if decision is not None and decision[0] != "all":
         return fallback(strategy, stream, writer)
     with _committed_if_complete(writer):
         if table is not None:
@@ -170,8 +170,9 @@ def _write_own_shards(
     over the checkpoint group), then ``fdatasync``-s and closes its descriptor. A failure is recorded in ``guard``."""
     rank, sources, parts = strategy.global_rank, None, None
     with guard.catch():
-        sources = _own_sources(strategy, stream)
-        extents = _extents(strategy, stream, table)
+        optimizer_shards = list(_optimizer_shards(strategy, stream))
+        sources = _own_sources(strategy, optimizer_shards)
+        extents = _extents(strategy, optimizer_shards, table)
         parts = _split_at_blocks(extents, _block_owners(extents, _write_block_size()), _write_block_size())
     if not guard.agree():
         return
@@ -189,22 +190,26 @@ def _write_own_shards(
                 file.write(data, 0, data.numel(), offset)
 
 
-def _own_sources(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream) -> Dict[_Source, torch.Tensor]:
+#: An optimizer-state shard of this rank: the key of its record, the shard and the unpadded size of the flat tensor.
+_OptimizerShard = Tuple[Tuple[Any, ...], torch.Tensor, int]
+
+
+def _own_sources(
+    strategy: "DDPFullyShardedStrategy", optimizer_shards: List[_OptimizerShard]
+) -> Dict[_Source, torch.Tensor]:
     """This rank's flat shards (full precision) and optimizer-state shards, as flat byte tensors, by source."""
     sources = {
         ("param", i, j): _flat_shard(flat)
         for i, instance in enumerate(_fsdp_instances(strategy.lightning_module))
         for j, flat in enumerate(instance.params)
     }
-    sources.update({("optim", key): value for key, value, _ in _optimizer_shards(strategy, stream)})
+    sources.update({("optim", key): value for key, value, _ in optimizer_shards})
     return {source: tensor.detach().reshape(-1).view(torch.uint8) for source, tensor in sources.items()}
 
 
-def _optimizer_shards(
-    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream
-) -> Iterator[Tuple[Tuple[Any, ...], torch.Tensor, int]]:
-    """The optimizer-state shards of the FSDP instances with their record keys and unpadded sizes, as the
-    streamed save gathers them; none for a weights-only save."""
+def _optimizer_shards(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream) -> Iterator[_OptimizerShard]:
+    """The optimizer-state shards of the FSDP instances, as the streamed save gathers them; none for a weights-only
+    save."""
     if stream.weights_only:
         return
     roots = _outermost_fsdp_instances(strategy.lightning_module)
@@ -214,7 +219,7 @@ def _optimizer_shards(
 
 
 def _extents(
-    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable
+    strategy: "DDPFullyShardedStrategy", optimizer_shards: List[_OptimizerShard], table: _RecordTable
 ) -> List[_Extent]:
     """Every rank's bytes of the FSDP records, by offset in the file: the same list on every rank, from the
     shapes alone."""
@@ -230,7 +235,7 @@ def _extents(
                         at = offset + (first - starts[piece]) * itemsize
                         size, source_at = (last - first) * itemsize, (first - lo) * itemsize
                         extents.append(_Extent(at, size, rank, ("param", i, j), source_at))
-    for key, value, numel in _optimizer_shards(strategy, stream):
+    for key, value, numel in optimizer_shards:
         for rank in range(world_size):
             _, lo, hi = _shard_range(numel, rank, world_size)
             if lo < hi:
