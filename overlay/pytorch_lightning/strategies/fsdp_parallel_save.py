@@ -227,21 +227,28 @@ def _extents(
     for i, instance in enumerate(_fsdp_instances(strategy.lightning_module)):
         for j, flat in enumerate(instance.params):
             starts, itemsize = _piece_offsets(flat), _flat_shard(flat).element_size()
-            for rank in range(world_size):
-                _, lo, hi = _shard_range(starts[-1], rank, world_size)
-                for piece, offset in table.params.get((i, j), []):
-                    first, last = max(lo, starts[piece]), min(hi, starts[piece + 1])
-                    if first < last:
-                        at = offset + (first - starts[piece]) * itemsize
-                        size, source_at = (last - first) * itemsize, (first - lo) * itemsize
-                        extents.append(_Extent(at, size, rank, ("param", i, j), source_at))
+            for piece, offset in table.params.get((i, j), []):
+                begin, end = starts[piece], starts[piece + 1]
+                for rank, lo, hi in _shards_over(begin, end, starts[-1], world_size):
+                    first, last = max(lo, begin), min(hi, end)
+                    at, size = offset + (first - begin) * itemsize, (last - first) * itemsize
+                    extents.append(_Extent(at, size, rank, ("param", i, j), (first - lo) * itemsize))
     for key, value, numel in optimizer_shards:
-        for rank in range(world_size):
-            _, lo, hi = _shard_range(numel, rank, world_size)
-            if lo < hi:
-                offset = table.optimizer[key] + lo * value.element_size()
-                extents.append(_Extent(offset, (hi - lo) * value.element_size(), rank, ("optim", key), 0))
+        itemsize = value.element_size()
+        for rank, lo, hi in _shards_over(0, numel, numel, world_size):
+            extents.append(_Extent(table.optimizer[key] + lo * itemsize, (hi - lo) * itemsize, rank, ("optim", key), 0))
     return sorted(extents, key=lambda extent: extent.offset)
+
+
+def _shards_over(begin: int, end: int, total: int, world_size: int) -> Iterator[Tuple[int, int, int]]:
+    """The ranks whose shards of a flat tensor of ``total`` elements hold some of its elements ``begin`` to ``end``
+    with the range of the flat tensor each holds (see :func:`_shard_range`); none where ``begin == end``."""
+    if begin >= end:
+        return
+    chunk, _, _ = _shard_range(total, 0, world_size)
+    for rank in range(begin // chunk, (end - 1) // chunk + 1):
+        _, lo, hi = _shard_range(total, rank, world_size)
+        yield rank, lo, hi
 
 
 def _block_owners(extents: List[_Extent], block: int) -> Dict[int, int]:
