@@ -123,39 +123,51 @@ def resume(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+#: faults on rank 1: the ``os`` call into the temporary file that fails, and its error
+FAULTS = {
+    "full_disk": ("pwrite", errno.ENOSPC),
+    # as where rank 1's checkpoint directory is node-local: rank 0's temporary file is not there
+    "cannot_open": ("open", errno.ENOENT),
+}
+
+
 @contextmanager
-def full_disk_on_rank_1(trainer: Trainer) -> Iterator[None]:
-    """On global rank 1, ``os.pwrite`` into a temporary checkpoint file fails as on a full disk."""
-    pwrite = os.pwrite
+def failing_on_rank_1(trainer: Trainer, fault: str) -> Iterator[None]:
+    """On global rank 1, ``os.<call>`` of ``FAULTS[fault]`` fails on a temporary checkpoint file with its error."""
+    call, code = FAULTS[fault]
+    original = getattr(os, call)
 
-    def full(fd: int, data: Any, offset: int) -> int:
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return pwrite(fd, data, offset)
+    def failing(target: Any, *args: Any, **kwargs: Any) -> Any:
+        path = os.readlink(f"/proc/self/fd/{target}") if isinstance(target, int) else os.fspath(target)
+        if path.endswith(".tmp"):
+            raise OSError(code, os.strerror(code))
+        return original(target, *args, **kwargs)
 
-    with mock.patch.object(os, "pwrite", full) if trainer.global_rank == 1 else mock.patch.dict({}):
+    with mock.patch.object(os, call, failing) if trainer.global_rank == 1 else mock.patch.dict({}):
         yield
 
 
 def fails_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
-    """Save, then save over it with rank 1's writes failing (ENOSPC); report what every rank raised and whether the
-    file is unchanged; then save again."""
+    """Save; then, for each fault of ``FAULTS``, change the weights and save over it with that fault on rank 1, and
+    report what every rank raised and whether the file is unchanged. Then save again."""
     trainer, model = fit(args, epochs=1)
     path = args.out / "last.ckpt"
     trainer.save_checkpoint(path)
     before = path.read_bytes() if trainer.global_rank == 0 else b""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": None}
-    try:
-        with full_disk_on_rank_1(trainer):
-            trainer.save_checkpoint(path)
-    except CheckpointError as ex:
-        result["raised"] = str(ex)
-    if trainer.global_rank == 0:
-        result["unchanged"] = path.read_bytes() == before
-        result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    result: Dict[str, Any] = {"rank": trainer.global_rank}
+    for fault in FAULTS:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        result[f"raised-{fault}"] = None
+        try:
+            with failing_on_rank_1(trainer, fault):
+                trainer.save_checkpoint(path)
+        except CheckpointError as ex:
+            result[f"raised-{fault}"] = str(ex)
+        if trainer.global_rank == 0:
+            result[f"unchanged-{fault}"] = path.read_bytes() == before
+            result[f"temporary_files-{fault}"] = sorted(p.name for p in args.out.glob("*.tmp"))
     trainer.save_checkpoint(args.out / "after.ckpt")
     if trainer.global_rank == 0:
         result["after_loads"] = len(load(args.out / "after.ckpt")["state_dict"])

@@ -98,16 +98,21 @@ def test_resume_from_parallel_checkpoint(parallel_runs, devices):
     assert rank0["tensors"] >= 20
 
 
+FAULTS = [("full_disk", "No space left on device"), ("cannot_open", "No such file")]
+
+
 @pytest.mark.timeout(BATCHES_TIMEOUT)
-def test_full_disk_on_one_rank_keeps_the_previous_checkpoint(parallel_runs):
-    """Rank 1's ``pwrite`` fails with ENOSPC: every rank raises a ``CheckpointError`` naming rank 1, the previous file
-    is untouched, no temporary file is left, and the next save works."""
+@pytest.mark.parametrize(("fault", "cause"), FAULTS)
+def test_failure_on_one_rank_keeps_the_previous_checkpoint(parallel_runs, fault, cause):
+    """Rank 1's ``pwrite`` fails with ENOSPC, or rank 1 cannot open the temporary file (ENOENT): every rank raises a
+    ``CheckpointError`` naming rank 1, the previous file is untouched, no temporary file is left, and the next save
+    works."""
     results = parallel_runs.results("fails_while_writing")
     for result in results:
-        assert "failed on global rank 1: " in (result["raised"] or ""), result
-        assert "No space left on device" in result["raised"]
-    assert results[0]["unchanged"] is True
-    assert results[0]["temporary_files"] == []
+        assert "failed on global rank 1: " in (result[f"raised-{fault}"] or ""), result
+        assert cause in result[f"raised-{fault}"]
+    assert results[0][f"unchanged-{fault}"] is True
+    assert results[0][f"temporary_files-{fault}"] == []
     assert results[0]["after_loads"] >= 8
 
 
