@@ -7,6 +7,7 @@ explicitly:
 - :mod:`.fsdp_checkpoint_errors`: the checkpoint group, the ranks' arrival, the guarded full state-dict gather;
 - :mod:`.fsdp_stream_decision`: whether a save streams, and its placeholders;
 - :mod:`.fsdp_streaming_save`: the streamed save (structure, then unit by unit);
+- :mod:`.fsdp_parallel_save`: the streamed save's units written by every rank into the one file;
 - :mod:`.fsdp_async_checkpoint`: the streamed save's units written in the background, the save in flight;
 - :mod:`.fsdp_optimizer_state`: the consolidated optimizer state (save, re-shard on load);
 - :mod:`.fsdp_restore`: the load into the sharded model;
@@ -16,6 +17,7 @@ The hooks are ``DDPFullyShardedStrategy``'s ``__init__`` and its call sites; the
 :mod:`.fsdp_checkpointing_strategy`.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
+from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, TYPE_CHECKING
 
 from torch.nn import Module
@@ -37,6 +39,7 @@ from pytorch_lightning.strategies.fsdp_checkpoint_errors import (
 )
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _FSDPCheckpointState, _SaveSession
 from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
+from pytorch_lightning.strategies.fsdp_parallel_save import _write_units_by_every_rank
 from pytorch_lightning.strategies.fsdp_optimizer_state import (
     _check_optimizer_state_layout,
     _load_optimizer_state_dict,
@@ -54,7 +57,7 @@ from pytorch_lightning.strategies.fsdp_stream_decision import (
     _CheckpointStream,
     _streamed_model_state_dict,
 )
-from pytorch_lightning.strategies.fsdp_streaming_save import _save_checkpoint_if_streamed
+from pytorch_lightning.strategies.fsdp_streaming_save import _save_checkpoint_if_streamed, _UnitsWriter
 from pytorch_lightning.utilities.types import _PATH
 
 if TYPE_CHECKING:
@@ -131,7 +134,14 @@ class _FSDPCheckpointer:
         return _optimizer_state(self._strategy, optimizer)
 
     def save_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
-        return _save_checkpoint_if_streamed(self._strategy, checkpoint, filepath, _write_streamed_units_in_background)
+        return _save_checkpoint_if_streamed(self._strategy, checkpoint, filepath, self._units_writer())
+
+    def _units_writer(self) -> _UnitsWriter:
+        """What writes a streamed save's units: global rank 0 (in the background where it may), or every rank its
+        own shards (``checkpoint_writers``, see :mod:`.fsdp_parallel_save`)."""
+        if self._strategy.checkpoint_writers == "rank0":
+            return _write_streamed_units_in_background
+        return partial(_write_units_by_every_rank, fallback=_write_streamed_units_in_background)
 
     def wait_for_checkpoint(self) -> None:
         _wait_for_checkpoint(self._strategy)

@@ -139,7 +139,7 @@ class _StreamedCheckpointFile:
         """Write ``values`` into the storage of the pending tensor ``placeholder``, starting at its element
         ``element_offset``."""
         values = values.detach().cpu().contiguous()
-        offset = self._offsets[placeholder.untyped_storage()._cdata] + element_offset * placeholder.element_size()
+        offset = self.offset_of(placeholder) + element_offset * placeholder.element_size()
         self._pwrite(_memory_of(values.data_ptr(), values.numel() * values.element_size()), offset)
         if self._unflushed >= self._flush_bytes:
             self.flush()
@@ -161,20 +161,20 @@ class _StreamedCheckpointFile:
             if first < last:
                 self.write(placeholder, shard[first - lo : last - lo], element_offset=first - start)
 
+    def offset_of(self, placeholder: torch.Tensor) -> int:
+        """Where the data of the pending tensor ``placeholder`` lies in the file, once :meth:`write_skeleton` ran."""
+        return self._offsets[placeholder.untyped_storage()._cdata]
+
+    def fileno(self) -> int:
+        return self._fd
+
     def _pwrite(self, data: Any, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            written = os.pwrite(self._fd, view, offset)
-            view, offset = view[written:], offset + written
-            self._unflushed += written
+        self._unflushed += _pwrite_all(self._fd, data, offset)
 
     def flush(self) -> None:
         """Write the data written so far to disk (or, without chunk ``fsync``-s, start writing it) and drop what is
         written from the page cache."""
-        if self._fsync_chunks:
-            os.fdatasync(self._fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        _flush_written(self._fd, self._fsync_chunks)
         self._unflushed = 0
 
     def commit(self) -> None:
@@ -200,6 +200,26 @@ class _StreamedCheckpointFile:
             pass
         os.close(self._fd)
         self._fd = -1
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> int:
+    """Write all of ``data`` (a buffer) at ``offset`` of the file ``fd`` (``pwrite`` may write less than asked);
+    returns its size in bytes."""
+    view = memoryview(data).cast("B")
+    size = len(view)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+    return size
+
+
+def _flush_written(fd: int, fsync_chunks: bool) -> None:
+    """Write what was written to ``fd`` to disk (``fsync_chunks``), or start writing it, and drop what is written
+    from the page cache; see :class:`_StreamedCheckpointFile`."""
+    if fsync_chunks:
+        os.fdatasync(fd)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _committed_if_complete(writer: Optional[_StreamedCheckpointFile]) -> ContextManager[Any]:

@@ -1,0 +1,357 @@
+"""The parallel FSDP save (``DDPFullyShardedStrategy(checkpoint_writers="all")``): global rank 0 writes the
+checkpoint's structure as the streamed save does (:mod:`.fsdp_streaming_save`), then every rank writes the valid
+ranges of its own shards of the FSDP parameters and of their optimizer state straight into the same temporary file
+with ``pwrite``, from its own memory. No collective carries tensor data but the bytes of the blocks that several
+ranks' ranges touch (:func:`_block_owners`), so that no two ranks write into one block of the file.
+
+The hook is the checkpointer's ``save_if_streamed``, which passes :func:`_write_units_by_every_rank` to the streamed
+save where ``checkpoint_writers`` is not ``"rank0"``.
+"""
+# fork-feature: fork/fsdp-parallel-save.patch
+import os
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, TYPE_CHECKING
+
+import torch
+
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
+from pytorch_lightning.strategies.fsdp_introspection import (
+    _flat_shard,
+    _fsdp_instances,
+    _outermost_fsdp_instances,
+    _piece_offsets,
+    _shard_range,
+)
+from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+from pytorch_lightning.strategies.fsdp_streaming_save import _streamed_optimizer_tensors, _UnitsWriter
+from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _checkpoint_process_group
+from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.streamed_checkpoint_file import (
+    _committed_if_complete,
+    _memory_of,
+    _flush_written,
+    _pwrite_all,
+    _StreamedCheckpointFile,
+)
+
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
+
+CHECKPOINT_WRITERS = ("rank0", "all", "auto")
+#: No two ranks write into one block of this many bytes (default 4096, a page: NFS clients write back whole pages);
+#: raise it to the stripe size on Lustre or GPFS, whose extent locks are per stripe.
+WRITE_BLOCK_ENV = "PL_CHECKPOINT_WRITE_BLOCK"
+#: The pinned host buffer through which a rank writes its GPU shards.
+STAGING_BYTES = 8 * 2**20
+
+#: Where a rank's bytes come from: ``("param", instance index, flat index)`` or ``("optim", optimizer-state key)``.
+_Source = Tuple[Any, ...]
+
+
+class _Extent(NamedTuple):
+    """``nbytes`` bytes of the file at ``offset`` that global rank ``rank`` writes from byte ``at`` of ``source``."""
+
+    offset: int
+    nbytes: int
+    rank: int
+    source: _Source
+    at: int
+
+
+class _RecordTable(NamedTuple):
+    """Where the FSDP records of the file lie, in terms every rank can resolve: for each flat parameter (instance
+    index, flat index) its pieces' byte offsets (a tied weight has one per name), and each optimizer-state record's."""
+
+    path: str
+    params: Dict[Tuple[int, int], List[Tuple[int, int]]]
+    optimizer: Dict[Tuple[Any, ...], int]
+
+
+def _checked_checkpoint_writers(value: str) -> str:
+    """``value`` of ``DDPFullyShardedStrategy(checkpoint_writers=...)`` if it is one of :data:`CHECKPOINT_WRITERS`.
+
+    Raises:
+        MisconfigurationException: otherwise.
+    """
+    if value not in CHECKPOINT_WRITERS:
+        raise MisconfigurationException(
+            f"`checkpoint_writers` must be one of {', '.join(map(repr, CHECKPOINT_WRITERS))}, got {value!r}."
+        )
+    return value
+
+
+def _write_block_size() -> int:
+    """The block size of :data:`WRITE_BLOCK_ENV`.
+
+    Raises:
+        MisconfigurationException: if it is not a positive multiple of 4096.
+    """
+    value = os.environ.get(WRITE_BLOCK_ENV, "").strip() or "4096"
+    if not value.isdigit() or int(value) == 0 or int(value) % 4096:
+        raise MisconfigurationException(f"`{WRITE_BLOCK_ENV}` must be a positive multiple of 4096, got {value!r}.")
+    return int(value)
+
+
+def _resolve_writers(
+    strategy: "DDPFullyShardedStrategy", temporary_path: str, requested: str
+) -> Tuple[str, Optional[str]]:
+    """Who writes this save: ``("all", None)``, or ``("rank0", reason)``; the decision of ``requested``
+    (``checkpoint_writers``) for the file at ``temporary_path``. Every rank writes for ``"all"`` and ``"auto"``."""
+    return ("rank0", None) if requested == "rank0" else ("all", None)
+
+
+def _write_units_by_every_rank(
+    strategy: "DDPFullyShardedStrategy",
+    stream: _CheckpointStream,
+    writer: Optional[_StreamedCheckpointFile],
+    fallback: _UnitsWriter,
+) -> None:
+    """Once global rank 0 wrote the structure into ``writer``, every rank writes its own shards into the file where
+    :func:`_resolve_writers` says so, else ``fallback`` (the streamed save) writes the units. Collective."""
+    guard = _new_checkpoint_guard(strategy)
+    table = None
+    try:
+        table = _share_record_table(strategy, stream, writer, guard)
+        decision = None if table is None else _resolve_writers(strategy, table.path, strategy.checkpoint_writers)
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
+    if decision is not None and decision[0] != "all":
+        return fallback(strategy, stream, writer)
+    with _committed_if_complete(writer):
+        if table is not None:
+            _write_own_shards(strategy, stream, table, guard)
+        if not guard.settle() and writer is not None:
+            writer.complete = True
+    guard.raise_if_failed()
+
+
+def _share_record_table(
+    strategy: "DDPFullyShardedStrategy",
+    stream: _CheckpointStream,
+    writer: Optional[_StreamedCheckpointFile],
+    guard: _CollectiveGuard,
+) -> Optional[_RecordTable]:
+    """Global rank 0 makes the structure it wrote visible to the other ranks' clients (``fsync``: close-to-open on
+    NFS) and sends every rank the :class:`_RecordTable`; ``None`` on every rank once a rank failed. Collective."""
+    table = None
+    if writer is not None:
+        with guard.catch():
+            os.fsync(writer.fileno())
+            table = _record_table(strategy, stream, writer)
+    if not guard.agree():
+        return None
+    return _broadcast_failure(strategy, table, src=0)
+
+
+def _record_table(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, writer: _StreamedCheckpointFile
+) -> _RecordTable:
+    """The :class:`_RecordTable` of the placeholders of ``stream`` in ``writer``'s file, on global rank 0."""
+    flats = {
+        id(flat): (i, j)
+        for i, instance in enumerate(_fsdp_instances(strategy.lightning_module))
+        for j, flat in enumerate(instance.params)
+    }
+    params: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
+    for key, placeholder in stream.model.items():
+        flat_id, piece = stream.model_sources[key]
+        params.setdefault(flats[flat_id], []).append((piece, writer.offset_of(placeholder)))
+    optimizer = {key: writer.offset_of(flat) for key, flat in stream.optimizer_placeholders.items()}
+    return _RecordTable(writer.tmp_path, params, optimizer)
+
+
+def _write_own_shards(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable, guard: _CollectiveGuard
+) -> None:
+    """Every rank writes its own bytes of the FSDP records, and those of other ranks in the blocks it owns (sent
+    over the checkpoint group), then ``fdatasync``-s and closes its descriptor. A failure is recorded in ``guard``."""
+    rank, sources, parts = strategy.global_rank, None, None
+    with guard.catch():
+        optimizer_shards = list(_optimizer_shards(strategy, stream))
+        sources = _own_sources(strategy, optimizer_shards)
+        extents = _extents(strategy, optimizer_shards, table)
+        parts = _split_at_blocks(extents, _block_owners(extents, _write_block_size()), _write_block_size())
+    if not guard.agree():
+        return
+    received = None
+    with guard.catch():
+        received = _exchange_block_bytes(strategy, parts, sources)
+    if not guard.agree():
+        return
+    with guard.catch():
+        with _RankFile(table.path) as file:
+            for owner, extent in parts:
+                if extent.rank == rank and owner == rank:
+                    file.write(sources[extent.source], extent.at, extent.nbytes, extent.offset)
+            for offset, data in received:
+                file.write(data, 0, data.numel(), offset)
+
+
+#: An optimizer-state shard of this rank: the key of its record, the shard and the unpadded size of the flat tensor.
+_OptimizerShard = Tuple[Tuple[Any, ...], torch.Tensor, int]
+
+
+def _own_sources(
+    strategy: "DDPFullyShardedStrategy", optimizer_shards: List[_OptimizerShard]
+) -> Dict[_Source, torch.Tensor]:
+    """This rank's flat shards (full precision) and optimizer-state shards, as flat byte tensors, by source."""
+    sources = {
+        ("param", i, j): _flat_shard(flat)
+        for i, instance in enumerate(_fsdp_instances(strategy.lightning_module))
+        for j, flat in enumerate(instance.params)
+    }
+    sources.update({("optim", key): value for key, value, _ in optimizer_shards})
+    return {source: tensor.detach().reshape(-1).view(torch.uint8) for source, tensor in sources.items()}
+
+
+def _optimizer_shards(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream) -> Iterator[_OptimizerShard]:
+    """The optimizer-state shards of the FSDP instances, as the streamed save gathers them; none for a weights-only
+    save."""
+    if stream.weights_only:
+        return
+    roots = _outermost_fsdp_instances(strategy.lightning_module)
+    for index, optimizer in enumerate(strategy.optimizers):
+        for _, key, value, numel in _streamed_optimizer_tensors(optimizer, index, roots):
+            yield key, value, numel
+
+
+def _extents(
+    strategy: "DDPFullyShardedStrategy", optimizer_shards: List[_OptimizerShard], table: _RecordTable
+) -> List[_Extent]:
+    """Every rank's bytes of the FSDP records, by offset in the file: the same list on every rank, from the
+    shapes alone."""
+    world_size, extents = strategy.world_size, []
+    for i, instance in enumerate(_fsdp_instances(strategy.lightning_module)):
+        for j, flat in enumerate(instance.params):
+            starts, itemsize = _piece_offsets(flat), _flat_shard(flat).element_size()
+            for piece, offset in table.params.get((i, j), []):
+                begin, end = starts[piece], starts[piece + 1]
+                for rank, lo, hi in _shards_over(begin, end, starts[-1], world_size):
+                    first, last = max(lo, begin), min(hi, end)
+                    at, size = offset + (first - begin) * itemsize, (last - first) * itemsize
+                    extents.append(_Extent(at, size, rank, ("param", i, j), (first - lo) * itemsize))
+    for key, value, numel in optimizer_shards:
+        itemsize = value.element_size()
+        for rank, lo, hi in _shards_over(0, numel, numel, world_size):
+            extents.append(_Extent(table.optimizer[key] + lo * itemsize, (hi - lo) * itemsize, rank, ("optim", key), 0))
+    return sorted(extents, key=lambda extent: extent.offset)
+
+
+def _shards_over(begin: int, end: int, total: int, world_size: int) -> Iterator[Tuple[int, int, int]]:
+    """The ranks whose shards of a flat tensor of ``total`` elements hold some of its elements ``begin`` to ``end``
+    with the range of the flat tensor each holds (see :func:`_shard_range`); none where ``begin == end``."""
+    if begin >= end:
+        return
+    chunk, _, _ = _shard_range(total, 0, world_size)
+    for rank in range(begin // chunk, (end - 1) // chunk + 1):
+        _, lo, hi = _shard_range(total, rank, world_size)
+        yield rank, lo, hi
+
+
+def _block_owners(extents: List[_Extent], block: int) -> Dict[int, int]:
+    """The writer of each block that an extent starts or ends in: the rank whose extent covers the block's first
+    written byte. A block inside an extent is that extent's rank's alone (extents do not overlap)."""
+    owners: Dict[int, int] = {}
+    for extent in extents:  # by offset: the first extent to touch a block covers its first written byte
+        for index in (extent.offset // block, (extent.offset + extent.nbytes - 1) // block):
+            owners.setdefault(index, extent.rank)
+    return owners
+
+
+def _split_at_blocks(extents: List[_Extent], owners: Dict[int, int], block: int) -> List[Tuple[int, _Extent]]:
+    """The extents cut where their first and last blocks end and begin, each part with the rank that writes it."""
+    parts = []
+    for extent in extents:
+        end = extent.offset + extent.nbytes
+        first_block_end = min(end, (extent.offset // block + 1) * block)
+        last_block_start = max(extent.offset, (end - 1) // block * block)
+        cuts = sorted({extent.offset, first_block_end, last_block_start, end})
+        for lo, hi in zip(cuts, cuts[1:]):
+            if lo < hi:
+                owner = owners.get(lo // block, extent.rank)
+                parts.append((owner, extent._replace(offset=lo, nbytes=hi - lo, at=extent.at + lo - extent.offset)))
+    return parts
+
+
+def _exchange_block_bytes(
+    strategy: "DDPFullyShardedStrategy", parts: List[Tuple[int, _Extent]], sources: Dict[_Source, torch.Tensor]
+) -> List[Tuple[int, torch.Tensor]]:
+    """Send this rank's bytes in blocks other ranks own to them, and receive theirs in the blocks this rank owns
+    (one message per pair of ranks, its size known to both from ``parts``); returns the received bytes by offset."""
+    rank, group = strategy.global_rank, _checkpoint_process_group(strategy)
+    device = torch.device("cpu") if group is not None else strategy.root_device
+    outgoing: Dict[int, List[torch.Tensor]] = {}
+    incoming: Dict[int, List[_Extent]] = {}
+    for owner, extent in parts:
+        if extent.rank == rank and owner != rank:
+            outgoing.setdefault(owner, []).append(sources[extent.source][extent.at : extent.at + extent.nbytes])
+        elif owner == rank and extent.rank != rank:
+            incoming.setdefault(extent.rank, []).append(extent)
+    buffers = {
+        peer: torch.empty(sum(e.nbytes for e in extents), dtype=torch.uint8, device=device)
+        for peer, extents in incoming.items()
+    }
+    requests = [
+        torch.distributed.isend(torch.cat(data).to(device), peer, group=group) for peer, data in outgoing.items()
+    ]
+    requests += [torch.distributed.irecv(buffer, peer, group=group) for peer, buffer in buffers.items()]
+    for request in requests:
+        request.wait()
+    received = []
+    for peer, extents in incoming.items():
+        for extent, data in zip(extents, buffers[peer].cpu().split([e.nbytes for e in extents])):
+            received.append((extent.offset, data))
+    return received
+
+
+class _RankFile:
+    """This rank's descriptor of the temporary file (``O_WRONLY``, no truncation): it writes byte ranges of
+    tensors at given offsets, CPU memory directly and GPU memory through one reused pinned buffer, flushes as the
+    streamed file does, and ``fdatasync``-s and closes on leaving the ``with`` block.
+
+    Args:
+        path: the temporary file global rank 0 made.
+        flush_bytes: how many bytes to write between flushes.
+    """
+
+    def __init__(self, path: str, flush_bytes: int = 64 * 2**20) -> None:
+        self._fsync_chunks = _chunk_fsync_policy(os.path.dirname(path)).fsync_chunks
+        self._fd = os.open(path, os.O_WRONLY)
+        self._flush_bytes, self._unflushed = flush_bytes, 0
+        self._staging: Optional[torch.Tensor] = None
+
+    def __enter__(self) -> "_RankFile":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        try:
+            if exc_type is None:
+                os.fdatasync(self._fd)
+        finally:
+            os.close(self._fd)
+
+    def write(self, data: torch.Tensor, at: int, nbytes: int, offset: int) -> None:
+        """Write bytes ``at`` to ``at + nbytes`` of the flat byte tensor ``data`` at ``offset`` of the file, in
+        steps of at most ``flush_bytes`` (or the staging buffer), flushing in between."""
+        on_cpu = data.device.type == "cpu"
+        step = self._flush_bytes if on_cpu else self._staging_buffer().numel()
+        for start in range(0, nbytes, step):
+            size = min(step, nbytes - start)
+            if on_cpu:
+                view = _memory_of(data.data_ptr() + at + start, size)
+            else:
+                staging = self._staging_buffer()
+                staging[:size].copy_(data[at + start : at + start + size])
+                view = _memory_of(staging.data_ptr(), size)
+            self._unflushed += _pwrite_all(self._fd, view, offset + start)
+            if self._unflushed >= self._flush_bytes:
+                _flush_written(self._fd, self._fsync_chunks)
+                self._unflushed = 0
+
+    def _staging_buffer(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+        return self._staging

@@ -1,0 +1,194 @@
+"""Multi-process scenarios of the parallel FSDP save (``DDPFullyShardedStrategy(checkpoint_writers="all")``) on CPU,
+run as ``python -m tests.strategies.fsdp_parallel_save_scenarios``; driven by
+``test_ddp_fully_sharded_parallel_save.py``.
+
+Every rank's ``os.pwrite`` calls into the temporary file are recorded while the ranks write their shards, and global
+rank 0 records the byte ranges of the file's FSDP records, so that the test can check that the ranks' blocks are
+disjoint and cover every FSDP byte. ``--writers rank0`` runs the same scenarios with today's writer.
+"""
+import argparse
+import errno
+import os
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Tuple
+from unittest import mock
+
+import torch
+
+from fsdp_harness.scenario import main, quiet_trainer_kwargs
+from fsdp_harness.tensor_compare import iter_tensors
+from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning.strategies import fsdp_streaming_save
+from pytorch_lightning.utilities.exceptions import CheckpointError
+from fsdp_harness.models import FSDPModel
+from tests.strategies.fsdp_stream_scenarios import differences, load, strategy, TiedFSDPModel
+
+#: byte ranges written into ``*.tmp`` files while the ranks write their shards, and the FSDP records' ranges
+Ranges = List[Tuple[int, int]]
+
+
+@contextmanager
+def recording_writes(writes: Ranges, records: Ranges) -> Iterator[None]:
+    """Record every ``os.pwrite`` into a temporary checkpoint file once the structure is written (``writes``), and
+    on global rank 0 the byte ranges of the FSDP records of the structure (``records``)."""
+    pwrite, writing = os.pwrite, []
+
+    def recorded(fd: int, data: Any, offset: int) -> int:
+        written = pwrite(fd, data, offset)
+        if writing and os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            writes.append((offset, written))
+        return written
+
+    def write_units(strategy: Any, stream: Any, writer: Any, *args: Any, **kwargs: Any) -> None:
+        if writer is not None:
+            records.extend(
+                (writer.offset_of(p), p.numel() * p.element_size())
+                for p in list(stream.model.values()) + list(stream.optimizer_placeholders.values())
+            )
+        writing.append(1)
+        return original(strategy, stream, writer, *args, **kwargs)
+
+    save = fsdp_streaming_save._save_checkpoint_if_streamed
+    original = None
+
+    def save_recording(strategy: Any, checkpoint: Any, filepath: Any, units_writer: Any) -> bool:
+        nonlocal original
+        original = units_writer
+        return save(strategy, checkpoint, filepath, write_units)
+
+    with mock.patch.object(os, "pwrite", recorded), mock.patch(
+        "pytorch_lightning.strategies.fsdp_checkpointer._save_checkpoint_if_streamed", save_recording
+    ):
+        yield
+
+
+def make_model(args: argparse.Namespace) -> FSDPModel:
+    """The streamed save's test model, of width ``args.width``: at 72 a weight's record spans several 4 KiB blocks
+    and the ranks' shards end inside it; at 16 many records share a block."""
+    model_class = TiedFSDPModel if args.model == "tied" else FSDPModel
+    return model_class(
+        width=args.width, units=3, wrapping=args.wrapping, extra_before=True, extra_after=True,
+        optimizer=args.optimizer, scheduler=True,
+    )
+
+
+def fit(args: argparse.Namespace, epochs: int = 2, **kwargs: Any) -> Tuple[Trainer, Any]:
+    seed_everything(5)
+    model = make_model(args)
+    trainer = Trainer(
+        **quiet_trainer_kwargs(
+            args.out, args.devices, strategy=strategy(args, checkpoint_writers=args.writers), max_epochs=epochs,
+            **kwargs,
+        )
+    )
+    trainer.fit(model)
+    return trainer, model
+
+
+def parallel_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fit, save with ``args.writers`` (recording the writes) and gathered; rank 0 compares the files."""
+    trainer, _ = fit(args)
+    writes: Ranges = []
+    records: Ranges = []
+    with recording_writes(writes, records):
+        trainer.save_checkpoint(args.out / "parallel.ckpt")
+    trainer.strategy.stream_checkpoint = False
+    trainer.save_checkpoint(args.out / "gathered.ckpt")
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "writes": writes, "records": records}
+    if trainer.global_rank == 0:
+        parallel, gathered = load(args.out / "parallel.ckpt"), load(args.out / "gathered.ckpt")
+        result["differences"] = differences(parallel, gathered)
+        result["tensors"] = len(list(iter_tensors(gathered)))
+        result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    return result
+
+
+def resume(args: argparse.Namespace) -> Dict[str, Any]:
+    """Resume from ``args.ckpt`` (written by ``parallel_equals_gathered``) and save again gathered: the state
+    loaded through the parallel load is saved as it was read."""
+    seed_everything(5)
+    model = make_model(args)
+    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=strategy(args), max_epochs=2))
+    trainer.fit(model, ckpt_path=args.ckpt)  # max_epochs reached: restores, then stops
+    trainer.strategy.stream_checkpoint = False
+    trainer.save_checkpoint(args.out / "resumed.ckpt")
+    result: Dict[str, Any] = {"rank": trainer.global_rank}
+    if trainer.global_rank == 0:
+        saved, resumed = load(args.ckpt), load(args.out / "resumed.ckpt")
+        for checkpoint in (saved, resumed):
+            checkpoint.pop("callbacks", None)
+            checkpoint.pop("loops", None)
+        result["differences"] = differences(resumed, saved)
+        result["tensors"] = len(list(iter_tensors(saved)))
+    return result
+
+
+#: faults on rank 1: the ``os`` call into the temporary file that fails, and its error
+FAULTS = {
+    "full_disk": ("pwrite", errno.ENOSPC),
+    # as where rank 1's checkpoint directory is node-local: rank 0's temporary file is not there
+    "cannot_open": ("open", errno.ENOENT),
+}
+
+
+@contextmanager
+def failing_on_rank_1(trainer: Trainer, fault: str) -> Iterator[None]:
+    """On global rank 1, ``os.<call>`` of ``FAULTS[fault]`` fails on a temporary checkpoint file with its error."""
+    call, code = FAULTS[fault]
+    original = getattr(os, call)
+
+    def failing(target: Any, *args: Any, **kwargs: Any) -> Any:
+        path = os.readlink(f"/proc/self/fd/{target}") if isinstance(target, int) else os.fspath(target)
+        if path.endswith(".tmp"):
+            raise OSError(code, os.strerror(code))
+        return original(target, *args, **kwargs)
+
+    with mock.patch.object(os, call, failing) if trainer.global_rank == 1 else mock.patch.dict({}):
+        yield
+
+
+def fails_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
+    """Save; then, for each fault of ``FAULTS``, change the weights and save over it with that fault on rank 1, and
+    report what every rank raised and whether the file is unchanged. Then save again."""
+    trainer, model = fit(args, epochs=1)
+    path = args.out / "last.ckpt"
+    trainer.save_checkpoint(path)
+    before = path.read_bytes() if trainer.global_rank == 0 else b""
+    result: Dict[str, Any] = {"rank": trainer.global_rank}
+    for fault in FAULTS:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        result[f"raised-{fault}"] = None
+        try:
+            with failing_on_rank_1(trainer, fault):
+                trainer.save_checkpoint(path)
+        except CheckpointError as ex:
+            result[f"raised-{fault}"] = str(ex)
+        if trainer.global_rank == 0:
+            result[f"unchanged-{fault}"] = path.read_bytes() == before
+            result[f"temporary_files-{fault}"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    trainer.save_checkpoint(args.out / "after.ckpt")
+    if trainer.global_rank == 0:
+        result["after_loads"] = len(load(args.out / "after.ckpt")["state_dict"])
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=["plain", "tied"], default="tied")
+    parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--writers", choices=["rank0", "all"], default="all")
+    parser.add_argument("--ckpt", default=None)
+
+
+if __name__ == "__main__":
+    main(
+        {
+            "parallel_equals_gathered": parallel_equals_gathered,
+            "resume": resume,
+            "fails_while_writing": fails_while_writing,
+        },
+        add_arguments,
+    )

@@ -1,0 +1,171 @@
+"""The parallel FSDP save (``DDPFullyShardedStrategy(checkpoint_writers="all")``): global rank 0 writes the streamed
+save's structure, then every rank writes its own shards into the same file.
+
+The file must be the one the gathered save writes (``stream_checkpoint=False``), tensor by tensor, with SGD momentum
+and Adam, tied weights, parameters outside FSDP, and shards that end inside tensors and inside 4 KiB blocks; the
+ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1;
+a full disk on rank 1 raises on every rank and keeps the previous file. Scenarios in
+``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in one launch per world size.
+"""
+from typing import List, Tuple
+from unittest import mock
+
+import pytest
+
+from fsdp_harness.runner import ScenarioBatches
+from pytorch_lightning.strategies.fsdp_parallel_save import _checked_checkpoint_writers
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from tests.helpers.runif import RunIf
+
+SCENARIOS = "tests.strategies.fsdp_parallel_save_scenarios"
+WRITERS = "all"
+BLOCK = 4096
+# model, wrapping, optimizer, width: at width 72 a weight spans several blocks and a shard ends inside it
+EQUALS = [("tied", "wrap", "sgd", 72), ("plain", "auto_wrap", "adam", 16), ("tied", "wrap", "adam", 72)]
+BATCHES = {"two": (2, 420), "one": (1, 180)}
+BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
+
+
+def _case(model: str, wrapping: str, optimizer: str, width: int) -> str:
+    return f"equals-{model}-{wrapping}-{optimizer}-{width}"
+
+
+def _options(model: str, wrapping: str, optimizer: str, width: int) -> List[str]:
+    options = ["--model", model, "--wrapping", wrapping, "--optimizer", optimizer, "--width", width]
+    return [str(option) for option in options] + ["--writers", WRITERS]
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory) -> ScenarioBatches:
+    batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("parallel"))
+    for name, (devices, timeout) in BATCHES.items():
+        batches.batch(name, devices, timeout)
+    for case in EQUALS:
+        batches.batch("two", 2).add(_case(*case), "parallel_equals_gathered", *_options(*case))
+    saved = batches.batch("two", 2).folder(_case(*EQUALS[2])) / "parallel.ckpt"
+    for name, devices in (("two", 2), ("one", 1)):
+        batches.batch(name, devices).add(f"resume-2-{devices}", "resume", *_options(*EQUALS[2]), "--ckpt", saved)
+    # wide enough that rank 1 owns blocks: narrower, it may only send its bytes to rank 0
+    batches.batch("two", 2).add("fails_while_writing", "fails_while_writing", "--writers", WRITERS, "--width", 72)
+    return batches
+
+
+def _blocks(ranges: List[Tuple[int, int]]) -> set:
+    return {block for offset, size in ranges for block in range(offset // BLOCK, (offset + size - 1) // BLOCK + 1)}
+
+
+def _covered(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """``ranges`` merged where they touch."""
+    merged: List[List[int]] = []
+    for offset, size in sorted(ranges):
+        if merged and offset <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], offset + size)
+        else:
+            merged.append([offset, offset + size])
+    return [(lo, hi) for lo, hi in merged]
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("model", "wrapping", "optimizer", "width"), EQUALS)
+def test_parallel_checkpoint_equals_gathered_checkpoint(parallel_runs, model, wrapping, optimizer, width):
+    rank0 = parallel_runs.results(_case(model, wrapping, optimizer, width))[0]
+    assert rank0["differences"] == []
+    assert rank0["tensors"] >= 20  # model and optimizer state, all compared
+    assert rank0["temporary_files"] == []
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("model", "wrapping", "optimizer", "width"), EQUALS)
+def test_ranks_write_disjoint_blocks_covering_every_fsdp_byte(parallel_runs, model, wrapping, optimizer, width):
+    """Every rank's ``pwrite``s after the structure: no block of 4 KiB is written by two ranks; together the writes
+    are exactly the FSDP records, each byte once."""
+    results = parallel_runs.results(_case(model, wrapping, optimizer, width))
+    records = results[0]["records"]
+    writes = [[tuple(w) for w in result["writes"]] for result in results]
+    assert all(writes), "every rank writes"
+    assert not _blocks(writes[0]) & _blocks(writes[1])
+    every = [w for rank_writes in writes for w in rank_writes]
+    assert _covered(every) == _covered([tuple(r) for r in records])
+    assert sum(size for _, size in every) == sum(size for _, size in records)  # no byte written twice
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("devices", [2, 1])
+def test_resume_from_parallel_checkpoint(parallel_runs, devices):
+    """A file written by every rank resumes exactly at 2 and 1 ranks: saved again, it equals what was loaded."""
+    rank0 = parallel_runs.results(f"resume-2-{devices}")[0]
+    assert rank0["differences"] == []
+    assert rank0["tensors"] >= 20
+
+
+FAULTS = [("full_disk", "No space left on device"), ("cannot_open", "No such file")]
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("fault", "cause"), FAULTS)
+def test_failure_on_one_rank_keeps_the_previous_checkpoint(parallel_runs, fault, cause):
+    """Rank 1's ``pwrite`` fails with ENOSPC, or rank 1 cannot open the temporary file (ENOENT): every rank raises a
+    ``CheckpointError`` naming rank 1, the previous file is untouched, no temporary file is left, and the next save
+    works."""
+    results = parallel_runs.results("fails_while_writing")
+    for result in results:
+        assert "failed on global rank 1: " in (result[f"raised-{fault}"] or ""), result
+        assert cause in result[f"raised-{fault}"]
+    assert results[0][f"unchanged-{fault}"] is True
+    assert results[0][f"temporary_files-{fault}"] == []
+    assert results[0]["after_loads"] >= 8
+
+
+def test_checkpoint_writers_is_checked():
+    assert _checked_checkpoint_writers("all") == "all"
+    with pytest.raises(MisconfigurationException, match="'rank0', 'all', 'auto'"):
+        _checked_checkpoint_writers("every")
+
+
+def test_blocks_touched_by_several_ranks_have_one_writer(monkeypatch):
+    """Three ranks' ranges in one block, shards that end inside a block, a record inside one block, a range over
+    several blocks: every block is written by one rank, the one whose range covers its first written byte."""
+    from pytorch_lightning.strategies.fsdp_parallel_save import _block_owners, _Extent, _split_at_blocks
+
+    extents = [
+        _Extent(0, 5000, 0, ("param", 0, 0), 0),
+        _Extent(5000, 100, 1, ("param", 0, 0), 0),
+        _Extent(5100, 100, 2, ("param", 0, 0), 0),
+        _Extent(5248, 30000, 0, ("optim", "a"), 0),
+    ]
+    parts = _split_at_blocks(extents, _block_owners(extents, BLOCK), BLOCK)
+    writers = {}
+    for owner, part in parts:
+        for block in range(part.offset // BLOCK, (part.offset + part.nbytes - 1) // BLOCK + 1):
+            assert writers.setdefault(block, owner) == owner
+    assert writers == {block: 0 for block in range(9)}
+    assert sum(part.nbytes for _, part in parts) == sum(extent.nbytes for extent in extents)
+    optimizer_parts = [(p.offset, p.at) for _, p in parts if p.source == ("optim", "a")]
+    assert optimizer_parts[:2] == [(5248, 0), (8192, 2944)]
+
+    monkeypatch.setenv("PL_CHECKPOINT_WRITE_BLOCK", "1048576")
+    from pytorch_lightning.strategies.fsdp_parallel_save import _write_block_size
+
+    assert _write_block_size() == 2**20
+    monkeypatch.setenv("PL_CHECKPOINT_WRITE_BLOCK", "1000")
+    with pytest.raises(MisconfigurationException, match="multiple of 4096"):
+        _write_block_size()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=RunIf(min_gpus=1))])
+def test_rank_file_writes_byte_ranges(tmp_path, device):
+    """A rank writes byte ranges of its shards at their offsets: CPU memory directly, GPU memory through the pinned
+    staging buffer, in steps smaller than the range."""
+    import torch
+
+    from pytorch_lightning.strategies import fsdp_parallel_save
+
+    path = tmp_path / "file.tmp"
+    path.write_bytes(bytes(64))
+    data = torch.arange(12, dtype=torch.float32, device=device).view(torch.uint8)
+    with mock.patch.object(fsdp_parallel_save, "STAGING_BYTES", 8), fsdp_parallel_save._RankFile(
+        str(path), flush_bytes=8
+    ) as file:
+        file.write(data, 4, 20, 40)
+    assert path.read_bytes()[40:60] == data.cpu().numpy().tobytes()[4:24]
+    assert path.read_bytes()[:40] == bytes(40) and path.stat().st_size == 64
