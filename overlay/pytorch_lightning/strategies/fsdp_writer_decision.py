@@ -143,9 +143,7 @@ def _reason(causes_by_rank: List[List[str]]) -> Optional[str]:
 
 def _probe_every_rank(strategy: Any, directory: str) -> Optional[str]:
     """Rank 0 writes the probe file into ``directory``, every rank reads it and checks its mount, rank 0 removes it;
-    the reason why not every rank can write (see :func:`_reason`), or ``None``, the same on every rank. Collective
-    when more than one process runs."""
-    distributed = _distributed_run(strategy.world_size)
+    the reason why not every rank can write (see :func:`_reason`), or ``None``, the same on every rank. Collective."""
     probe: Optional[Tuple[Optional[str], str]] = None
     path: Optional[str] = None
     rank_zero_cause: List[str] = []
@@ -158,12 +156,11 @@ def _probe_every_rank(strategy: Any, directory: str) -> Optional[str]:
             except OSError as ex:
                 rank_zero_cause = [f"{{ranks}} cannot write a file into {directory} ({type(ex).__name__}: {ex})"]
                 probe = (None, token)
-        if distributed:
-            # the name only: every rank joins it to its own path to the directory
-            probe = _broadcast_failure(strategy, probe, src=0)
-        probe_name, token = probe
+        # the name only, which every rank joins to its own path to the directory (a broadcast of any object over the
+        # checkpoint group, despite its name)
+        probe_name, token = _broadcast_failure(strategy, probe, src=0)
         causes = rank_zero_cause + _own_causes(directory, probe_name, token)
-        causes_by_rank = _all_gather_objects(strategy, causes) if distributed else [causes]
+        causes_by_rank = _all_gather_objects(strategy, causes)
     finally:
         if path is not None:
             with suppress(FileNotFoundError):
@@ -197,7 +194,7 @@ def _decide_checkpoint_writers(strategy: Any, temporary_path: str, requested: st
             if ``requested`` is none of :data:`CHECKPOINT_WRITERS`.
     """
     _checked_checkpoint_writers(requested)
-    if requested == "rank0" or strategy.world_size < 2:
+    if requested == "rank0" or not _distributed_run(strategy.world_size):
         return ("rank0" if requested == "rank0" else "all"), None
     reason = _probe_every_rank(strategy, os.path.dirname(os.path.abspath(temporary_path)))
     if reason is not None and requested == "all":
