@@ -118,7 +118,7 @@ def test_failure_on_one_rank_keeps_the_previous_checkpoint(parallel_runs, fault,
 
 def test_checkpoint_writers_is_checked():
     assert _checked_checkpoint_writers("all") == "all"
-    with pytest.raises(MisconfigurationException, match="'rank0', 'all', 'auto'"):
+    with pytest.raises(MisconfigurationException, match="'auto', 'all', 'rank0'"):
         _checked_checkpoint_writers("every")
 
 

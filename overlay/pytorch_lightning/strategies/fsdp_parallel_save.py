@@ -23,6 +23,10 @@ from pytorch_lightning.strategies.fsdp_introspection import (
 )
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.strategies.fsdp_streaming_save import _streamed_optimizer_tensors, _UnitsWriter
+from pytorch_lightning.strategies.fsdp_writer_decision import (  # noqa: F401 (the strategy's argument check)
+    _checked_checkpoint_writers,
+    _decide_checkpoint_writers,
+)
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _checkpoint_process_group
 from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
@@ -38,7 +42,6 @@ from pytorch_lightning.utilities.streamed_checkpoint_file import (
 if TYPE_CHECKING:
     from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
 
-CHECKPOINT_WRITERS = ("rank0", "all", "auto")
 #: No two ranks write into one block of this many bytes (default 4096, a page: NFS clients write back whole pages);
 #: raise it to the stripe size on Lustre or GPFS, whose extent locks are per stripe.
 WRITE_BLOCK_ENV = "PL_CHECKPOINT_WRITE_BLOCK"
@@ -68,19 +71,6 @@ class _RecordTable(NamedTuple):
     optimizer: Dict[Tuple[Any, ...], int]
 
 
-def _checked_checkpoint_writers(value: str) -> str:
-    """``value`` of ``DDPFullyShardedStrategy(checkpoint_writers=...)`` if it is one of :data:`CHECKPOINT_WRITERS`.
-
-    Raises:
-        MisconfigurationException: otherwise.
-    """
-    if value not in CHECKPOINT_WRITERS:
-        raise MisconfigurationException(
-            f"`checkpoint_writers` must be one of {', '.join(map(repr, CHECKPOINT_WRITERS))}, got {value!r}."
-        )
-    return value
-
-
 def _write_block_size() -> int:
     """The block size of :data:`WRITE_BLOCK_ENV`.
 
@@ -93,14 +83,6 @@ def _write_block_size() -> int:
     return int(value)
 
 
-def _resolve_writers(
-    strategy: "DDPFullyShardedStrategy", temporary_path: str, requested: str
-) -> Tuple[str, Optional[str]]:
-    """Who writes this save: ``("all", None)``, or ``("rank0", reason)``; the decision of ``requested``
-    (``checkpoint_writers``) for the file at ``temporary_path``. Every rank writes for ``"all"`` and ``"auto"``."""
-    return ("rank0", None) if requested == "rank0" else ("all", None)
-
-
 def _write_units_by_every_rank(
     strategy: "DDPFullyShardedStrategy",
     stream: _CheckpointStream,
@@ -108,12 +90,14 @@ def _write_units_by_every_rank(
     fallback: _UnitsWriter,
 ) -> None:
     """Once global rank 0 wrote the structure into ``writer``, every rank writes its own shards into the file where
-    :func:`_resolve_writers` says so, else ``fallback`` (the streamed save) writes the units. Collective."""
+    :func:`~.fsdp_writer_decision._decide_checkpoint_writers` says so, else ``fallback`` (the streamed save) writes
+    the units. Collective."""
     guard = _new_checkpoint_guard(strategy)
     table = None
     try:
         table = _share_record_table(strategy, stream, writer, guard)
-        decision = None if table is None else _resolve_writers(strategy, table.path, strategy.checkpoint_writers)
+        requested = strategy.checkpoint_writers
+        decision = None if table is None else _decide_checkpoint_writers(strategy, table.path, requested)
     except BaseException:
         if writer is not None:
             writer.discard()

@@ -1,0 +1,213 @@
+"""Whether every rank can write its own pieces into the one checkpoint file (``checkpoint_writers="all"``), decided
+before any data of a save is written.
+
+Every rank must see the same file, and the filesystem must take writes to one file from several hosts at once:
+
+- node-local scratch (``/tmp``, a local NVMe) mounted at the same path on every node passes every check but this
+  one: global rank 0 writes a random token into a probe file next to the temporary checkpoint file, and every rank
+  reads it back through its own path;
+- FUSE mounts of object stores (gcsfuse, s3fs, blobfuse) upload a file as one object, whole, from the host that
+  wrote it: writers on several hosts overwrite each other's bytes (see :data:`CONCURRENT_WRITERS_REFUSED_FSTYPES`).
+
+The parallel save calls :func:`_decide_checkpoint_writers` once per save, on every rank.
+"""
+# fork-feature: fork/fsdp-parallel-save.patch
+import os
+import secrets
+import weakref
+from contextlib import suppress
+from typing import Any, Dict, List, Optional, Tuple
+
+from pytorch_lightning.utilities.atomic_save import _create_temporary_file, _fsync_directory, _ZIP_MAGIC
+from pytorch_lightning.utilities.checkpoint_errors import _all_gather_objects, _broadcast_failure, _distributed_run
+from pytorch_lightning.utilities.checkpoint_flush import _mount_of
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+
+#: The values of ``DDPFullyShardedStrategy(checkpoint_writers=...)``.
+CHECKPOINT_WRITERS = ("auto", "all", "rank0")
+
+#: Filesystem types (as the mount table names them) that do not take writes to one file from several hosts: FUSE
+#: mounts of object stores keep a written file in a local staging copy and upload it as one whole object when it is
+#: closed or synced, so each host's upload replaces the others' bytes.
+CONCURRENT_WRITERS_REFUSED_FSTYPES = ("fuse.gcsfuse", "fuse.s3fs", "fuse.blobfuse2", "fuse.blobfuse")
+
+#: The name the probe file starts with; :func:`_create_temporary_file` adds ``.<host id>.<pid>.<random>.tmp``, so
+#: the stale-temporary-file rule of ``atomic_save`` removes a probe whose writer was killed.
+PROBE_NAME = "checkpoint-writers-probe"
+
+#: The last fallback reason said for each strategy, so that the info line is said when the decision changes, not at
+#: every save.
+_LAST_REASON: "weakref.WeakKeyDictionary[Any, Optional[str]]" = weakref.WeakKeyDictionary()
+
+
+def _checked_checkpoint_writers(value: Any) -> str:
+    """``value`` if it is one of :data:`CHECKPOINT_WRITERS`.
+
+    Raises:
+        MisconfigurationException: If it is not.
+    """
+    if value not in CHECKPOINT_WRITERS:
+        raise MisconfigurationException(
+            f"`checkpoint_writers` must be one of {', '.join(map(repr, CHECKPOINT_WRITERS))}, got {value!r}."
+        )
+    return value
+
+
+def _refuses_concurrent_writers(fstype: str) -> bool:
+    """Whether a filesystem of type ``fstype`` (e.g. ``fuse.gcsfuse``) loses writes to one file from several hosts
+    (see :data:`CONCURRENT_WRITERS_REFUSED_FSTYPES`)."""
+    return fstype in CONCURRENT_WRITERS_REFUSED_FSTYPES
+
+
+def _mount_refusal(directory: str) -> Optional[str]:
+    """Why the mount that ``directory`` is on does not allow concurrent writers, or ``None`` if it does or if the
+    mount table cannot be read. The reason holds ``{ranks}`` for the ranks that have it (see :func:`_reason`).
+
+    Args:
+        directory: the checkpoint directory, resolved against this process's own mount table.
+    """
+    mount = _mount_of(directory)
+    if mount is None or not _refuses_concurrent_writers(mount.fstype):
+        return None
+    kind = mount.fstype.split(".", 1)[-1]
+    return (
+        f"on {{ranks}}, the checkpoint directory {directory} is on a {kind} mount ({mount.mount_point}), which does not"
+        " allow concurrent writers"
+    )
+
+
+def _write_probe(directory: str, token: str) -> str:
+    """Create a probe file holding ``token`` in ``directory``, ``fsync``-ed with its directory entry; its path."""
+    path, fd = _create_temporary_file(directory, PROBE_NAME)
+    try:
+        # it begins like a ``torch.save`` file: the stale-file rule removes only such files (or empty ones)
+        os.write(fd, _ZIP_MAGIC + token.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_directory(directory)
+    return path
+
+
+def _read_probe(path: str, token: str) -> Optional[str]:
+    """Why this rank does not see the probe file holding ``token`` at ``path`` (its own path to the directory), or
+    ``None`` if it does; with ``{ranks}`` as in :func:`_mount_refusal`."""
+    directory = os.path.dirname(path)
+    try:
+        with open(path, "rb") as f:
+            found = f.read()
+    except FileNotFoundError:
+        return f"{{ranks}} cannot see the file written by rank 0 at {directory}"
+    except OSError as ex:
+        return f"{{ranks}} cannot read the file written by rank 0 at {directory} ({type(ex).__name__}: {ex})"
+    if found != _ZIP_MAGIC + token.encode():
+        return f"{{ranks}} cannot read back what rank 0 wrote into the file at {directory} (it holds other bytes)"
+    return None
+
+
+def _own_causes(directory: str, probe_name: Optional[str], token: str) -> List[str]:
+    """This rank's reasons why it cannot be one of several writers into ``directory``: it does not see the probe
+    file ``probe_name`` there (``None``: rank 0 could not write it), or the mount refuses concurrent writers."""
+    causes = []
+    if probe_name is not None:
+        seen = _read_probe(os.path.join(directory, probe_name), token)
+        if seen is not None:
+            causes.append(seen)
+    refusal = _mount_refusal(directory)
+    if refusal is not None:
+        causes.append(refusal)
+    return causes
+
+
+def _name_ranks(ranks: List[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
+
+
+def _reason(causes_by_rank: List[List[str]]) -> Optional[str]:
+    """One sentence naming every cause and the ranks that have it (in place of its ``{ranks}``), in rank order, or
+    ``None`` if no rank has one.
+
+    Args:
+        causes_by_rank: every rank's causes (see :func:`_own_causes`), by global rank.
+    """
+    ranks_of: Dict[str, List[int]] = {}
+    for rank, causes in enumerate(causes_by_rank):
+        for cause in causes:
+            ranks_of.setdefault(cause, []).append(rank)
+    if not ranks_of:
+        return None
+    return "; ".join(cause.replace("{ranks}", _name_ranks(ranks)) for cause, ranks in ranks_of.items())
+
+
+def _probe_every_rank(strategy: Any, directory: str) -> Optional[str]:
+    """Rank 0 writes the probe file into ``directory``, every rank reads it and checks its mount, rank 0 removes it;
+    the reason why not every rank can write (see :func:`_reason`), or ``None``, the same on every rank. Collective."""
+    probe: Optional[Tuple[Optional[str], str]] = None
+    path: Optional[str] = None
+    rank_zero_cause: List[str] = []
+    try:
+        if strategy.global_rank == 0:
+            token = secrets.token_hex(16)
+            try:
+                path = _write_probe(directory, token)
+                probe = (os.path.basename(path), token)
+            except OSError as ex:
+                rank_zero_cause = [f"{{ranks}} cannot write a file into {directory} ({type(ex).__name__}: {ex})"]
+                probe = (None, token)
+        # the name only, which every rank joins to its own path to the directory (a broadcast of any object over the
+        # checkpoint group, despite its name)
+        probe_name, token = _broadcast_failure(strategy, probe, src=0)
+        causes = rank_zero_cause + _own_causes(directory, probe_name, token)
+        causes_by_rank = _all_gather_objects(strategy, causes)
+    finally:
+        if path is not None:
+            with suppress(FileNotFoundError):
+                os.remove(path)
+    return _reason(causes_by_rank)
+
+
+def _decide_checkpoint_writers(strategy: Any, temporary_path: str, requested: str) -> Tuple[str, Optional[str]]:
+    """Who writes the FSDP tensors of this save into ``temporary_path``: ``("all", None)`` (every rank its own
+    shards) or ``("rank0", reason)`` (global rank 0 alone, as the streamed save). Collective when more than one
+    process runs and ``requested`` is not ``"rank0"``, over the strategy's gloo checkpoint group (the default
+    process group where it has none).
+
+    With ``"auto"`` and ``"all"``, global rank 0 writes a random token into a probe file in the directory of
+    ``temporary_path``, every rank reads it back through its own path to that directory, and every rank checks that
+    the directory's mount allows concurrent writers (see :func:`_mount_refusal`). A single process writes alone
+    either way: ``("all", None)``.
+
+    Args:
+        strategy: the strategy saving (its ``global_rank`` and ``world_size``, and its checkpoint group).
+        temporary_path: the file the save writes into; only its directory is used.
+        requested: ``checkpoint_writers``: ``"auto"``, ``"all"`` or ``"rank0"``.
+
+    Returns:
+        ``(writers, reason)``: ``reason`` says why ``"auto"`` falls back to ``"rank0"``, else it is ``None``. The
+        first fallback, and each one for another reason, is said in an info line on global rank 0.
+
+    Raises:
+        MisconfigurationException:
+            On every rank, if ``requested`` is ``"all"`` and not every rank can write, naming the ranks and why; or
+            if ``requested`` is none of :data:`CHECKPOINT_WRITERS`.
+    """
+    _checked_checkpoint_writers(requested)
+    if requested == "rank0" or not _distributed_run(strategy.world_size):
+        return ("rank0" if requested == "rank0" else "all"), None
+    reason = _probe_every_rank(strategy, os.path.dirname(os.path.abspath(temporary_path)))
+    if reason is not None and requested == "all":
+        raise MisconfigurationException(
+            f"`DDPFullyShardedStrategy(checkpoint_writers='all')` needs every rank to write into one checkpoint"
+            f" file, but {reason}. Save into a directory that every rank shares on a filesystem that takes concurrent"
+            " writers (NFS, Lustre, GPFS, ...), or set `checkpoint_writers='auto'` to let global rank 0 write"
+            " alone where it cannot."
+        )
+    if reason is not None and _LAST_REASON.get(strategy) != reason:
+        rank_zero_info(
+            f"`DDPFullyShardedStrategy(checkpoint_writers='auto')`: global rank 0 writes the checkpoint alone, as"
+            f" `checkpoint_writers='rank0'` does, because {reason}."
+        )
+    _LAST_REASON[strategy] = reason
+    return ("rank0", reason) if reason is not None else ("all", None)
