@@ -12,6 +12,7 @@ import torch
 
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from tests.helpers import BoringModel
 
 STEPS = 4  # per epoch; the file is written after one epoch
@@ -72,6 +73,13 @@ class Model(BoringModel):
             "best_model_path": self.trainer.checkpoint_callback.best_model_path,
         }
 
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero(monkeypatch):
+    # ``rank_zero_only.rank`` is process-wide: an in-process test that set up a strategy as another rank before this
+    # one (same xdist worker) would silence the warning under test
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
 
 def _fit(tmp_path, automatic: bool, epochs: int, ckpt_path=None) -> tuple:
     model = Model(automatic)
