@@ -22,7 +22,6 @@ So it is measured exactly like the fork's configurations, but its checkpoint is 
 metadata), not one ``torch.save`` file.
 """
 import argparse
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Tuple
@@ -36,10 +35,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-import pytorch_lightning
 from fsdp_benchmarks.checkpoint_io_meter import CheckpointIOMeter
-from fsdp_benchmarks.model import STATE_SLOTS, CheckpointModel, state_dict_mb
-from fsdp_harness.memory_sampler import MIB, PeakMemory, memory_source
+from fsdp_benchmarks.model import STATE_SLOTS, CheckpointModel
+from fsdp_benchmarks.worker import describe_run
+from fsdp_harness.memory_sampler import MIB, PeakMemory
 from fsdp_harness.tensor_compare import compare_tensors, iter_tensors
 from pytorch_lightning import seed_everything
 from pytorch_lightning.utilities.apply_func import apply_to_collection
@@ -124,19 +123,7 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
     mismatched = [None] * dist.get_world_size()
     dist.all_gather_object(mismatched, [f"rank {rank}: {path}" for path in check["mismatched"]])
     result: Dict[str, Any] = {
-        "rank": rank,
-        "config": args.config,
-        "world_size": args.devices,
-        "accelerator": "cpu",
-        "width": width,
-        "units": args.units,
-        "unit_mb": state_dict_mb(width, 1),
-        "state_dict_mb": state_dict_mb(width, args.units),
-        "memory_source": memory_source(),
-        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-        "lightning_version": pytorch_lightning.__version__,
-        "lightning_file": pytorch_lightning.__file__,
-        "write_mbps": meter.write_mbps,
+        **describe_run(args, rank, width, "cpu", meter.write_mbps),
         "save": save,
         "load": load,
     }

@@ -68,6 +68,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-mbps", type=float, help="throttle this rank's checkpoint writes to this many MB/s")
 
 
+def describe_run(args: argparse.Namespace, rank: int, width: int, accelerator: str, write_mbps: Any) -> Dict[str, Any]:
+    """The fields every rank's result starts with: the run, the model's shape, the memory source and the build."""
+    return {
+        "rank": rank,
+        "config": args.config,
+        "world_size": args.devices,
+        "accelerator": accelerator,
+        "width": width,
+        "units": args.units,
+        "unit_mb": state_dict_mb(width, 1),
+        "state_dict_mb": state_dict_mb(width, args.units),
+        "memory_source": memory_source(),
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "lightning_version": pytorch_lightning.__version__,
+        "lightning_file": pytorch_lightning.__file__,
+        "write_mbps": write_mbps,
+    }
+
+
 def make_strategy(args: argparse.Namespace) -> Any:
     config = by_name(args.config)
     if not config.agree_before_collectives:
@@ -272,19 +291,7 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     trainer.strategy.barrier("after-resume-check")
 
     result: Dict[str, Any] = {
-        "rank": rank,
-        "config": args.config,
-        "world_size": args.devices,
-        "accelerator": args.accelerator,
-        "width": width,
-        "units": args.units,
-        "unit_mb": state_dict_mb(width, 1),
-        "state_dict_mb": state_dict_mb(width, args.units),
-        "memory_source": memory_source(),
-        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-        "lightning_version": pytorch_lightning.__version__,
-        "lightning_file": pytorch_lightning.__file__,
-        "write_mbps": args.write_mbps,
+        **describe_run(args, rank, width, args.accelerator, args.write_mbps),
         "save": saver.result,
         "load": probe.result,
     }

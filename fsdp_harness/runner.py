@@ -13,7 +13,7 @@
 """
 import json
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
 from fsdp_harness.scenario import BATCH, read_results
@@ -149,6 +149,27 @@ def selected_tests(request: Any) -> Set[str]:
     """The names of the test functions of the requesting module that this session runs (after ``-k`` and friends),
     so that a module-scoped fixture only queues the cases of tests that will read them."""
     return {item.originalname for item in request.session.items if item.module is request.module}
+
+
+class CasePlans:
+    """Which cases each test of a module reads from its module-scoped batches: ``@plans.queues(plan)`` registers
+    ``plan`` (a function that queues cases) for the decorated test, and :meth:`queue` runs, once each and in the
+    order they were registered, the plans of the tests this session runs."""
+
+    def __init__(self) -> None:
+        self._plans: Dict[str, Callable[[Any], None]] = {}
+
+    def queues(self, plan: Callable[[Any], None]) -> Callable[[Callable], Callable]:
+        def register(test: Callable) -> Callable:
+            self._plans[test.__name__] = plan
+            return test
+
+        return register
+
+    def queue(self, request: Any, batches: Any) -> None:
+        selected = selected_tests(request)
+        for plan in dict.fromkeys(plan for test, plan in self._plans.items() if test in selected):
+            plan(batches)
 
 
 class ScenarioBatches:

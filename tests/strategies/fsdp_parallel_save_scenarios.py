@@ -13,15 +13,19 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Tuple
 from unittest import mock
 
-import torch
 
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Trainer, seed_everything
 from pytorch_lightning.strategies import fsdp_streaming_save
-from pytorch_lightning.utilities.exceptions import CheckpointError
 from fsdp_harness.models import FSDPModel
-from tests.strategies.fsdp_stream_scenarios import differences, load, strategy, TiedFSDPModel
+from tests.strategies.fsdp_stream_scenarios import (
+    differences,
+    load,
+    saves_over_it_with_faults,
+    strategy,
+    TiedFSDPModel,
+)
 
 #: byte ranges written into ``*.tmp`` files while the ranks write their shards, and the FSDP records' ranges
 Ranges = List[Tuple[int, int]]
@@ -152,26 +156,7 @@ def fails_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
     report what every rank raised and whether the file is unchanged. Then save again."""
     trainer, model = fit(args, epochs=1)
     path = args.out / "last.ckpt"
-    trainer.save_checkpoint(path)
-    before = path.read_bytes() if trainer.global_rank == 0 else b""
-    result: Dict[str, Any] = {"rank": trainer.global_rank}
-    for fault in FAULTS:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-        result[f"raised-{fault}"] = None
-        try:
-            with failing_on_rank_1(trainer, fault):
-                trainer.save_checkpoint(path)
-        except CheckpointError as ex:
-            result[f"raised-{fault}"] = str(ex)
-        if trainer.global_rank == 0:
-            result[f"unchanged-{fault}"] = path.read_bytes() == before
-            result[f"temporary_files-{fault}"] = sorted(p.name for p in args.out.glob("*.tmp"))
-    trainer.save_checkpoint(args.out / "after.ckpt")
-    if trainer.global_rank == 0:
-        result["after_loads"] = len(load(args.out / "after.ckpt")["state_dict"])
-    return result
+    return saves_over_it_with_faults(trainer, model, path, args.out, FAULTS, failing_on_rank_1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

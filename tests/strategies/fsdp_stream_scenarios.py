@@ -6,7 +6,7 @@ and global rank 0 compares the two files entry by entry, every tensor and every 
 """
 import argparse
 import errno
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 from unittest import mock
 
 import torch
@@ -175,26 +175,34 @@ def fails_while_streaming(args: argparse.Namespace) -> Dict[str, Any]:
     trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=strategy(args), max_epochs=1))
     trainer.fit(model)
     path = args.out / "last.ckpt"
+    return saves_over_it_with_faults(trainer, model, path, args.out, FAULTS, inject_fault)
+
+
+def saves_over_it_with_faults(
+    trainer: Trainer, model: Any, path: Any, out: Any, faults: Any, inject: Callable[[Trainer, str], Any]
+) -> Dict[str, Any]:
+    """Save ``path``; then, for each of ``faults``, change the weights and save over it inside ``inject(trainer,
+    fault)``, recording what every rank raised and, on rank 0, whether the file is unchanged and which temporary
+    files are left. Then save again (``after.ckpt``), which must still work."""
     trainer.save_checkpoint(path)
     before = path.read_bytes() if trainer.global_rank == 0 else b""
     result: Dict[str, Any] = {"rank": trainer.global_rank}
-    for fault in FAULTS:
+    for fault in faults:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
+        result[f"raised-{fault}"] = None
         try:
-            with inject_fault(trainer, fault):
+            with inject(trainer, fault):
                 trainer.save_checkpoint(path)
-            result[f"raised-{fault}"] = None
         except CheckpointError as ex:
             result[f"raised-{fault}"] = str(ex)
         if trainer.global_rank == 0:
             result[f"unchanged-{fault}"] = path.read_bytes() == before
-            result[f"temporary_files-{fault}"] = sorted(p.name for p in args.out.glob("*.tmp"))
-    # the strategy still saves afterwards
-    trainer.save_checkpoint(args.out / "after.ckpt")
+            result[f"temporary_files-{fault}"] = sorted(p.name for p in out.glob("*.tmp"))
+    trainer.save_checkpoint(out / "after.ckpt")
     if trainer.global_rank == 0:
-        result["after_loads"] = len(load(args.out / "after.ckpt")["state_dict"])
+        result["after_loads"] = len(load(out / "after.ckpt")["state_dict"])
     return result
 
 

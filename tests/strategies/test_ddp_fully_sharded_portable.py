@@ -15,12 +15,12 @@ import importlib.util
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
-from fsdp_harness.runner import Records, ScenarioBatches, selected_tests
+from fsdp_harness.runner import CasePlans, Records, ScenarioBatches
 from tests.helpers.runif import RunIf
 from tests.strategies.test_ddp_fully_sharded_resume import assert_same, load_checkpoint, rank_state
 
@@ -216,15 +216,8 @@ def check_fresh_optimizer_fails(
 
 
 # the cases each test reads from ``portable_runs``, queued only for the tests this session runs
-PLANS: Dict[str, Callable[[ScenarioBatches], None]] = {}
-
-
-def queues(plan: Callable[[ScenarioBatches], None]) -> Callable[[Callable], Callable]:
-    def register(test: Callable) -> Callable:
-        PLANS[test.__name__] = plan
-        return test
-
-    return register
+PLANS = CasePlans()
+queues = PLANS.queues
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +226,7 @@ def portable_runs(request, tmp_path_factory) -> ScenarioBatches:
     for name, (devices, timeout) in BATCHES.items():
         batches.batch(name, devices, timeout)
     # each plan once, in the order of the tests: the matrix, then the errors, which raise, and the compatibility
-    selected = selected_tests(request)
-    for plan in dict.fromkeys(plan for test, plan in PLANS.items() if test in selected):
-        plan(batches)
+    PLANS.queue(request, batches)
     return batches
 
 

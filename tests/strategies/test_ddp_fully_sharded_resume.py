@@ -6,12 +6,12 @@ creates and wraps its layers in ``configure_sharded_model``. The CPU tests' scen
 (``resume_runs``: 1 rank, 2 ranks, then 1 rank again for the files saved on 2); each test checks its own cases.
 """
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 
-from fsdp_harness.runner import ScenarioBatches, selected_tests
+from fsdp_harness.runner import CasePlans, ScenarioBatches
 from tests.helpers.runif import RunIf
 
 SCENARIOS = "tests.strategies.fsdp_resume_scenarios"
@@ -138,24 +138,14 @@ def check_exact_resume(
 
 
 # the cases each CPU test reads from ``resume_runs``, queued only for the tests this session runs
-PLANS: Dict[str, Callable[[ScenarioBatches], None]] = {}
-
-
-def queues(plan: Callable[[ScenarioBatches], None]) -> Callable[[Callable], Callable]:
-    """Register ``plan`` as the queue of the decorated test's cases."""
-
-    def register(test: Callable) -> Callable:
-        PLANS[test.__name__] = plan
-        return test
-
-    return register
+PLANS = CasePlans()
+queues = PLANS.queues
 
 
 @pytest.fixture(scope="module")
 def resume_runs(request, tmp_path_factory) -> ScenarioBatches:
     batches = new_batches(tmp_path_factory.mktemp("resume"))
-    for test in sorted(selected_tests(request) & set(PLANS)):
-        PLANS[test](batches)
+    PLANS.queue(request, batches)
     return batches
 
 
@@ -216,8 +206,6 @@ def plan_resume_reshards(
 
 
 def plan_reshards(batches: ScenarioBatches) -> None:
-    if "reshard-2-2/load" in batches.batch("two", 2):
-        return  # queued by another test that reads these cases
     for save_devices, load_devices in RESHARD:
         plan_resume_reshards(batches, f"reshard-{save_devices}-{load_devices}", save_devices, load_devices)
 
