@@ -4,11 +4,11 @@ the tests and the benchmarks share only ``fsdp_harness``. At a tiny size it comp
 schema, every configuration's checkpoint is correct, and the plot is written. Memory figures are measured by the
 benchmark itself, never asserted here (they are too noisy for a timed unit test).
 
-The smoke run takes five of the seven configurations, to keep its time on 2 cores: ``fork-stream-adam`` checks the
-streamed file against a gathered save with Adam (the ``fork-adam`` path) and differs from ``fork-stream`` by the
-optimizer only. The fork-build configurations pass ``stream_checkpoint`` to the strategy, so they need a build of
-the fork that has that argument. A second, short run takes the torch DCP peer (``dcp-fsdp2``, FSDP2 and
-``dcp.save``/``dcp.load`` without Lightning) under the emulated per-writer bandwidth (``--write-mbps``)."""
+CI's smoke run takes five of the configurations, one of each kind (``SMOKE_CONFIGS``), in one invocation under the
+emulated per-writer bandwidth (``--write-mbps``): each costs a 2-rank launch, and the suite has a time budget. The
+others combine the same paths (another optimizer, another save option, a baseline layout); before a release,
+``test_every_configuration_smoke`` runs them all (``PL_RUN_RELEASE_TESTS=1``, see CONTRIBUTING.md). The fork-build
+configurations pass ``stream_checkpoint`` to the strategy, so they need a build of the fork that has that argument."""
 import json
 import os
 import subprocess
@@ -25,9 +25,16 @@ CONFIGS = [
     "fork-stream-consolidated", "fork-stream-adam-consolidated", "fork-no-agreement",
     "fork-stream-no-agreement",
 ]
-SMOKE_CONFIGS = ["upstream", "rank0-only", "fork", "upstream-adam", "fork-stream-adam"]
+#: one of each kind: pure 1.6.5 on its own build; the upstream PR's I/O; the streamed save with Adam; the parallel
+#: save; the DCP peer. The other configurations combine the same paths (``test_every_configuration_smoke``).
+SMOKE_CONFIGS = ["upstream", "rank0-only", "fork-stream-adam", "fork-parallel", "dcp-fsdp2"]
 INCOMPLETE = {"upstream", "upstream-adam"}  # pure 1.6.5: rank 0's optimizer shard only
-STREAMED = {"fork-stream", "fork-stream-adam", "fork-stream-consolidated", "fork-stream-adam-consolidated"}
+STREAMED = {
+    "fork-stream", "fork-stream-adam", "fork-stream-consolidated", "fork-stream-adam-consolidated",
+    "fork-stream-no-agreement",
+}
+PARALLEL = {"fork-parallel", "fork-parallel-adam"}
+DCP = {"dcp-fsdp2", "dcp-fsdp2-adam"}
 RUN_KEYS = {
     "config", "world_size", "state_dict_mb", "ranks", "node_save_peak_extra_anon_file_mb", "node_save_peak_extra_mb",
     "node_load_peak_extra_mb", "node_load_peak_extra_file_mb", "node_save_x_s", "node_load_x_s", "checkpoint_mb",
@@ -56,92 +63,100 @@ def run_benchmark(*args, cwd=ROOT, timeout=60, file_form=False):
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
-@pytest.mark.timeout(420)
-def test_checkpoint_memory_benchmark_smoke(tmp_path):
-    json_path, plot_path = tmp_path / "result.json", tmp_path / "result.png"
-    proc = run_benchmark(
-        "--devices", "2", "--size-mb", "8", "--units", "4", "--accelerator", "cpu", "--json", str(json_path),
-        "--plot", str(plot_path), "--out", str(tmp_path / "out"), "--timeout", "180",
-        "--configs", ",".join(SMOKE_CONFIGS),
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    assert "node" in proc.stdout  # the table
+def _check_lightning_run(run):
+    """A Lightning configuration's run: the schema, its build, a complete file where the configuration promises one,
+    the streamed file checked against a gathered save, and rank 0 the only writer (except the parallel save)."""
+    assert RUN_KEYS <= set(run), run
+    # 1.6.5 runs on its own build and writes rank 0's optimizer shard; everything else the whole state
+    assert run["lightning_version"].endswith(".compat") == (run["config"] in INCOMPLETE)
+    assert run["complete_checkpoint"] is run["optimizer_state_complete"] is (run["config"] not in INCOMPLETE)
+    if run["config"] in STREAMED | PARALLEL:
+        assert run["stream_check"]["compared"] > 0 and run["stream_check"]["mismatched"] == []
+    assert run["checkpoint_mb"] >= run["state_dict_mb"]
+    for rank in run["ranks"]:
+        assert RANK_KEYS <= set(rank), rank
+        assert all(isinstance(rank[k], float) for k in RANK_KEYS - RANK_COUNTS)
+        assert all(isinstance(rank[k], int) for k in RANK_COUNTS)
+        # every configuration reads at least each rank's share of the weights (S / N)
+        assert rank["load_bytes_read"] >= run["state_dict_mb"] * 2**20 / run["world_size"] * 0.9
+    written = [rank["save_bytes_written"] for rank in run["ranks"]]
+    file_bytes = run["checkpoint_mb"] * 2**20
+    if run["config"] in PARALLEL:
+        # checkpoint_writers="all": one file, and every rank writes its own shards of it (rank 0 also the structure)
+        assert all(w > 0 for w in written) and file_bytes <= sum(written) <= file_bytes * 1.05, written
+    else:
+        # one writer: rank 0 writes the whole file once, the other ranks nothing
+        assert file_bytes <= written[0] <= file_bytes * 1.05 and written[1:] == [0] * (len(written) - 1), written
 
-    result = json.loads(json_path.read_text())
+
+def _check_dcp_run(run):
+    """The torch DCP peer's run: each rank writes its own file (rank 0 also the metadata), the counted bytes match
+    the files, and every shard loads back equal."""
+    assert run["optimizer_state_complete"] is True
+    assert run["tensor_check"]["compared"] > 0 and run["tensor_check"]["mismatched"] == []
+    momentum = 2 if run["config"].endswith("-adam") else 1  # Adam: two states per parameter
+    share = run["state_dict_mb"] * 2**20 * (1 + momentum) / run["world_size"]
+    for rank in run["ranks"]:
+        assert DCP_RANK_KEYS <= set(rank), rank
+        assert rank["save_files_bytes"] == pytest.approx(share, rel=0.05)
+        assert rank["save_files_bytes"] <= rank["save_bytes_written"] <= rank["save_files_bytes"] * 1.05
+        assert rank["load_bytes_read"] >= rank["save_files_bytes"]
+
+
+def _check_result(result, configs, mbps):
     runs = result["runs"]
-    assert [run["config"] for run in runs] == result["meta"]["configs"] == SMOKE_CONFIGS
-    assert set(result["meta"]["builds"]) == {"compat", "fork"}
-    assert result["meta"]["builds"]["compat"].endswith(".compat")
+    assert [run["config"] for run in runs] == result["meta"]["configs"] == configs
+    assert result["meta"].get("skipped", {}) == {}
+    assert result["meta"]["write_mbps"] == mbps and "emulated" in result["meta"]["write_bandwidth"]
     for run in runs:
-        assert RUN_KEYS <= set(run), run
-        assert run["ok"] is True
-        # 1.6.5 runs on its own build and writes rank 0's optimizer shard; everything else the whole state
-        assert run["lightning_version"].endswith(".compat") == (run["config"] in INCOMPLETE)
-        assert run["complete_checkpoint"] is run["optimizer_state_complete"] is (run["config"] not in INCOMPLETE)
-        assert "INCOMPLETE" in result["meta"]["configurations"][run["config"]].upper() or run["complete_checkpoint"]
-        if run["config"] in STREAMED:
-            assert run["stream_check"]["compared"] > 0 and run["stream_check"]["mismatched"] == []
-        assert run["world_size"] == 2
+        assert run["ok"] is True, run
+        assert run["world_size"] == 2 and [r["rank"] for r in run["ranks"]] == [0, 1]
         assert 7 < run["state_dict_mb"] <= 8
-        assert run["checkpoint_mb"] >= run["state_dict_mb"]
-        assert [r["rank"] for r in run["ranks"]] == [0, 1]
-        for rank in run["ranks"]:
-            assert RANK_KEYS <= set(rank), rank
-            assert all(isinstance(rank[k], float) for k in RANK_KEYS - RANK_COUNTS)
-            assert all(isinstance(rank[k], int) for k in RANK_COUNTS)
-            # every configuration reads at least each rank's share of the weights (S / N)
-            assert rank["load_bytes_read"] >= run["state_dict_mb"] * 2**20 / 2 * 0.9
+        assert "INCOMPLETE" in result["meta"]["configurations"][run["config"]].upper() or run["complete_checkpoint"]
+        (_check_dcp_run if run["config"] in DCP else _check_lightning_run)(run)
         assert run["node_save_peak_extra_mb"] == pytest.approx(sum(r["save_peak_extra_mb"] for r in run["ranks"]))
         assert run["node_save_peak_extra_anon_file_mb"] == pytest.approx(
             sum(r["save_peak_extra_anon_file_mb"] for r in run["ranks"])
         )
         assert run["node_load_peak_extra_mb"] == pytest.approx(sum(r["load_peak_extra_mb"] for r in run["ranks"]))
-        # one writer: rank 0 writes the whole file once (every save path of these builds), the other ranks nothing
-        written = [rank["save_bytes_written"] for rank in run["ranks"]]
-        assert run["checkpoint_mb"] * 2**20 <= written[0] <= run["checkpoint_mb"] * 2**20 * 1.05, written
-        assert written[1:] == [0]
-    assert plot_path.stat().st_size > 1000
-    # --out keeps rank results and logs, but not the S-sized checkpoints
-    assert not list((tmp_path / "out").rglob("*.ckpt"))
+        if run["config"] in DCP | PARALLEL:
+            # under the emulated link, a rank's save takes at least its bytes over the cap
+            assert run["write_mbps"] == mbps
+            for rank in run["ranks"]:
+                assert rank["save_seconds"] >= rank["save_bytes_written"] / (mbps * 1e6)
 
 
-@pytest.mark.timeout(180)
-def test_dcp_peer_under_write_cap_smoke(tmp_path):
-    """The torch DCP peer at a tiny size, with every rank's writes throttled: each rank writes its own file (rank 0
-    also the metadata), the counted bytes match the files, every shard loads back equal, and a save takes at least its
-    bytes over the cap; the fork's ``checkpoint_writers="all"`` writes one file from every rank under the same cap."""
-    json_path, mbps = tmp_path / "result.json", 20.0
+def _smoke(tmp_path, configs, timeout):
+    json_path, plot_path, mbps = tmp_path / "result.json", tmp_path / "result.png", 20.0
     proc = run_benchmark(
         "--devices", "2", "--size-mb", "8", "--units", "4", "--accelerator", "cpu", "--json", str(json_path),
-        "--out", str(tmp_path / "out"), "--timeout", "120", "--write-mbps", str(mbps),
-        "--configs", "dcp-fsdp2,fork-parallel", timeout=170,
+        "--plot", str(plot_path), "--out", str(tmp_path / "out"), "--timeout", "180", "--write-mbps", str(mbps),
+        "--configs", ",".join(configs),
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-8000:]
-    result = json.loads(json_path.read_text())
+    assert "node" in proc.stdout  # the table
     assert "emulated per-rank write link of 20 MB/s" in proc.stdout
-    assert result["meta"]["write_mbps"] == mbps and "emulated" in result["meta"]["write_bandwidth"]
-    assert result["meta"].get("skipped", {}) == {}
-    dcp, parallel = result["runs"]
-    assert dcp["config"] == "dcp-fsdp2" and dcp["ok"] is True and dcp["write_mbps"] == mbps
-    assert dcp["optimizer_state_complete"] is True
-    assert dcp["tensor_check"]["compared"] > 0 and dcp["tensor_check"]["mismatched"] == []
-    share = dcp["state_dict_mb"] * 2**20 * 2 / 2  # weights and momentum, over 2 ranks
-    for rank in dcp["ranks"]:
-        assert DCP_RANK_KEYS <= set(rank), rank
-        assert rank["save_files_bytes"] == pytest.approx(share, rel=0.05)
-        # its own file, plus the metadata on rank 0
-        assert rank["save_files_bytes"] <= rank["save_bytes_written"] <= rank["save_files_bytes"] * 1.05
-        assert rank["save_seconds"] >= rank["save_bytes_written"] / (mbps * 1e6)
-        assert rank["load_bytes_read"] >= rank["save_files_bytes"]
-    # checkpoint_writers="all": one file, and every rank writes its own shards of it (rank 0 also the structure)
-    assert parallel["config"] == "fork-parallel" and parallel["ok"] is True
-    written = [rank["save_bytes_written"] for rank in parallel["ranks"]]
-    assert all(w > 0 for w in written), written
-    assert parallel["checkpoint_mb"] * 2**20 <= sum(written) <= parallel["checkpoint_mb"] * 2**20 * 1.05, written
-    for rank in parallel["ranks"]:
-        assert rank["save_seconds"] >= rank["save_bytes_written"] / (mbps * 1e6)
-    assert not list((tmp_path / "out").rglob("*.distcp"))
+    result = json.loads(json_path.read_text())
+    _check_result(result, configs, mbps)
+    assert set(result["meta"]["builds"]) == {"compat", "fork"}
+    assert result["meta"]["builds"]["compat"].endswith(".compat")
+    assert plot_path.stat().st_size > 1000
+    # --out keeps rank results and logs, but not the S-sized checkpoints or DCP's files
+    assert not list((tmp_path / "out").rglob("*.ckpt")) and not list((tmp_path / "out").rglob("*.distcp"))
+
+
+@pytest.mark.timeout(420)
+def test_checkpoint_memory_benchmark_smoke(tmp_path):
+    """One run of every kind of configuration (see the module's docstring), under the emulated per-writer link."""
+    _smoke(tmp_path, SMOKE_CONFIGS, timeout=400)
+
+
+@pytest.mark.release
+@pytest.mark.timeout(900)
+def test_every_configuration_smoke(tmp_path):
+    """Before a release: every configuration at the tiny size, checked as the CI smoke run checks its five."""
+    _smoke(tmp_path, CONFIGS, timeout=880)
 
 
 @pytest.mark.timeout(120)
