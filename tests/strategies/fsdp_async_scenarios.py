@@ -6,7 +6,8 @@ gloo): ``python -m tests.strategies.fsdp_async_scenarios <scenario> --out DIR``.
   in its writer thread, before it sends its shard (rank 0 then waits in the gather until ``PL_CHECKPOINT_TIMEOUT``).
   After each, a save succeeds.
 - ``kill``: global rank 0 kills every rank (``SIGKILL``) while its writer thread is writing a checkpoint over an
-  earlier one; ``cleanup`` then saves into the same folder.
+  earlier one; ``cleanup`` then lists the temporary files the killed writer left in that folder (``--folder``) and
+  saves into it.
 - ``model_checkpoint``: ``ModelCheckpoint(save_top_k=1, save_last=True)`` every epoch while rank 0's writes are
   slowed; a thread on rank 0 lists the folder every few milliseconds. ``--broken-ordering`` removes replaced files
   at once, as ``ModelCheckpoint`` asks, instead of after their successor is committed.
@@ -19,10 +20,15 @@ gloo): ``python -m tests.strategies.fsdp_async_scenarios <scenario> --out DIR``.
   the test with ``tests/helpers/fake_proc.py``: both ranks in one Slurm-like job cgroup). At the end of the first
   epoch, global rank 0 sets the job's headroom (``--headrooms``, bytes) before each of three saves; every rank reports
   whether each went to the background and the warnings it logged, and rank 0 compares the files.
+- ``fit``: ``fsdp_resume_scenarios``'s, so that its exact-resume runs share the launches of these scenarios.
 
-Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_async.py``.
+``--checkpoint-timeout`` sets ``PL_CHECKPOINT_TIMEOUT`` for one scenario (without it, the variable is unset). The
+scenarios run one after the other in the same processes (``fsdp_harness.runner.ScenarioBatch``): what a scenario
+replaces for its faults and slowed writes, and that variable, are restored after it, so that the next one starts from
+the real ones. Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_async.py``.
 """
 import argparse
+import contextlib
 import errno
 import functools
 import os
@@ -31,7 +37,8 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
+from unittest import mock
 
 import torch
 
@@ -42,10 +49,13 @@ from fsdp_harness.tensor_compare import compare_tensors, iter_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import LightningLoggerBase
+from pytorch_lightning.strategies import fsdp_async_checkpoint
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.strategies.fsdp_checkpointing_strategy import _FSDPCheckpointingStrategy
 from pytorch_lightning.utilities import host_memory
+from pytorch_lightning.utilities.checkpoint_errors import CHECKPOINT_TIMEOUT_ENV
 from tests.helpers.fake_proc import FakeProc
+from tests.strategies import fsdp_resume_scenarios
 from tests.strategies.fsdp_collective_fault_scenarios import _outcome, sha256
 
 WRITER_THREAD = "pl-async-checkpoint"
@@ -183,7 +193,9 @@ def kill(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def cleanup(args: argparse.Namespace) -> Dict[str, Any]:
-    folder = args.out / "ckpts"
+    folder = Path(args.folder)
+    # what the killed writer left, before anything here saves: the test checks that there is something to remove
+    debris = _tmp_files(folder)
 
     class SaveAgain(Callback):
         def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -197,6 +209,7 @@ def cleanup(args: argparse.Namespace) -> Dict[str, Any]:
     if trainer.is_global_zero:
         saved = torch.load(folder / "next.ckpt", map_location="cpu", weights_only=False)["state_dict"]
         result.update(
+            debris=debris,
             tmp=_tmp_files(folder),
             before=sha256(folder / "model.ckpt"),
             loads=torch.load(folder / "model.ckpt", map_location="cpu", weights_only=False)["epoch"] == 0,
@@ -499,20 +512,63 @@ def host_memory_scenario(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    fsdp_resume_scenarios.add_arguments(parser)
     parser.add_argument("--broken-ordering", action="store_true")
     parser.add_argument("--proc", help="the fake /proc and cgroup filesystem (host_memory)")
     parser.add_argument("--headrooms", type=int, nargs="*", default=[], help="bytes left in the job (host_memory)")
+    parser.add_argument("--folder", help="the checkpoint folder of the killed run (cleanup)")
+    parser.add_argument("--checkpoint-timeout", help=f"`{CHECKPOINT_TIMEOUT_ENV}` for this scenario (default: unset)")
+
+
+@contextlib.contextmanager
+def _checkpoint_timeout(seconds: Optional[str]) -> Iterator[None]:
+    """``PL_CHECKPOINT_TIMEOUT`` is ``seconds``, or unset (the default timeout), until the scenario ends, whatever an
+    earlier scenario of the batch set: a rank >= 1 starts with rank 0's environment of that moment. Only this
+    variable is restored; the environment also holds what Lightning's launcher exported for the next ``fit``."""
+    previous = os.environ.pop(CHECKPOINT_TIMEOUT_ENV, None)
+    if seconds is not None:
+        os.environ[CHECKPOINT_TIMEOUT_ENV] = seconds
+    try:
+        yield
+    finally:
+        os.environ.pop(CHECKPOINT_TIMEOUT_ENV, None)
+        if previous is not None:
+            os.environ[CHECKPOINT_TIMEOUT_ENV] = previous
+
+
+def _patched_attributes() -> contextlib.ExitStack:
+    """What the scenarios replace for their faults, slowed writes and counts: restored after each, so that the next
+    scenario of a batch starts from the real ones."""
+    stack = contextlib.ExitStack()
+    for owner, name in (
+        (os, "pwrite"),
+        (torch.distributed, "gather"),
+        (threading.Thread, "start"),
+        (_FSDPCheckpointingStrategy, "remove_checkpoint"),
+        (host_memory, "PROC_ROOT"),
+        (fsdp_async_checkpoint._BackgroundSave, "start"),
+    ):
+        stack.enter_context(mock.patch.object(owner, name, getattr(owner, name)))
+    return stack
+
+
+def _restoring(scenario: Callable[[argparse.Namespace], Dict[str, Any]]) -> Callable[..., Dict[str, Any]]:
+    @functools.wraps(scenario)
+    def run(args: argparse.Namespace) -> Dict[str, Any]:
+        with _patched_attributes(), _checkpoint_timeout(args.checkpoint_timeout):
+            return scenario(args)
+
+    return run
 
 
 if __name__ == "__main__":
-    main(
-        {
-            "failures": failures,
-            "kill": kill,
-            "cleanup": cleanup,
-            "model_checkpoint": model_checkpoint,
-            "lifecycle": lifecycle,
-            "host_memory": host_memory_scenario,
-        },
-        add_arguments,
-    )
+    scenarios = {
+        "failures": failures,
+        "kill": kill,
+        "cleanup": cleanup,
+        "model_checkpoint": model_checkpoint,
+        "lifecycle": lifecycle,
+        "host_memory": host_memory_scenario,
+        "fit": fsdp_resume_scenarios.fit,
+    }
+    main({name: _restoring(scenario) for name, scenario in scenarios.items()}, add_arguments)

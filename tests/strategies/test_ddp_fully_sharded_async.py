@@ -1,16 +1,51 @@
-"""``DDPFullyShardedStrategy(async_checkpoint=True)``: streamed checkpoints written in the background."""
+"""``DDPFullyShardedStrategy(async_checkpoint=True)``: streamed checkpoints written in the background.
+
+The CPU tests' scenarios (``fsdp_async_scenarios.py``, which also runs ``fsdp_resume_scenarios``'s ``fit``) run in
+two launches (``async_runs``): one of 2 ranks, whose last case kills its ranks (``SIGKILL``), then one of 1 rank,
+which also saves into the killed run's folder. Each test checks its own cases; the first to run launches both.
+"""
+from pathlib import Path
+
 import pytest
 
-from fsdp_harness.runner import launch, run_scenario
+from fsdp_harness.runner import CasePlans, ScenarioBatch, ScenarioBatches
 from pytorch_lightning.utilities.host_memory import format_bytes
 from tests.helpers.fake_proc import FakeProc
 from tests.helpers.runif import RunIf
 from tests.strategies.fsdp_async_scenarios import HOST_MEMORY_UNITS, HOST_MEMORY_WIDTH
-from tests.strategies.test_ddp_fully_sharded_resume import check_exact_resume, new_batches, plan_exact_resume
+from tests.strategies.test_ddp_fully_sharded_resume import (
+    batch_name,
+    check_exact_resume,
+    new_batches,
+    plan_exact_resume,
+)
+
+SCENARIOS = "tests.strategies.fsdp_async_scenarios"
+# the batches of ``async_runs``, in launch order (the names ``plan_exact_resume`` uses): world size and timeout
+BATCHES = {batch_name(2): (2, 600), batch_name(1): (1, 180)}
+# a test that reads ``async_runs`` may be the one that launches every batch
+BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
+MAX_RAISE_SECONDS = 60
+
+# the cases each test reads from ``async_runs``, queued only for the tests this session runs
+PLANS = CasePlans()
+queues = PLANS.queues
+
+
+@pytest.fixture(scope="module")
+def async_runs(request, tmp_path_factory) -> ScenarioBatches:
+    batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("async"))
+    for name, (devices, timeout) in BATCHES.items():
+        batches.batch(name, devices, timeout)
+    PLANS.queue(request, batches)
+    return batches
+
+
+def _two(batches: ScenarioBatches) -> ScenarioBatch:
+    return batches.batch(batch_name(2), 2)
+
 
 EXACT = [("adam", 2), ("sgd", 1)]
-# a test that reads ``async_resume_runs`` may be the one that launches its batches (``new_batches``)
-RESUME_TIMEOUT = 720
 
 
 def plan_exact_resume_from_async_checkpoints(batches, case, optimizer, *extra, devices=2):
@@ -26,21 +61,18 @@ def check_exact_resume_from_async_checkpoints(batches, case, devices=2, atol=0.0
         assert [r["background_saves"] for r in results] == [2 if run == "straight" else 1] * devices, results
 
 
-@pytest.fixture(scope="module")
-def async_resume_runs(tmp_path_factory):
-    """Both cases of ``test_exact_resume_from_async_checkpoints``: one launch per world size."""
-    batches = new_batches(tmp_path_factory.mktemp("async_resume"))
+def plan_exact(batches: ScenarioBatches) -> None:
     for optimizer, devices in EXACT:
         plan_exact_resume_from_async_checkpoints(batches, f"{optimizer}-{devices}", optimizer, devices=devices)
-    return batches
 
 
-@pytest.mark.timeout(RESUME_TIMEOUT)
+@pytest.mark.timeout(BATCHES_TIMEOUT)
 @pytest.mark.parametrize(("optimizer", "devices"), EXACT)
-def test_exact_resume_from_async_checkpoints(async_resume_runs, optimizer, devices):
+@queues(plan_exact)
+def test_exact_resume_from_async_checkpoints(async_runs, optimizer, devices):
     """ModelCheckpoint saves every epoch in the background while training goes on; resuming from the checkpoint of
     the first epoch gives the uninterrupted run's parameters, optimizer state and final checkpoint exactly."""
-    check_exact_resume_from_async_checkpoints(async_resume_runs, f"{optimizer}-{devices}", devices=devices)
+    check_exact_resume_from_async_checkpoints(async_runs, f"{optimizer}-{devices}", devices=devices)
 
 
 @RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
@@ -52,24 +84,18 @@ def test_exact_resume_from_async_checkpoints_multi_gpu(tmp_path):
     check_exact_resume_from_async_checkpoints(batches, "gpu", atol=1e-6)
 
 
-SCENARIOS = "tests.strategies.fsdp_async_scenarios"
-MAX_RAISE_SECONDS = 60
+def plan_failures(batches: ScenarioBatches) -> None:
+    # rank 0 waits that long in the gather that rank 1's writer thread left
+    _two(batches).add("failures", "failures", "--checkpoint-timeout", "10")
 
 
-def _run(tmp_path, scenario, *args, timeout=300, env=None):
-    return launch(SCENARIOS, scenario, tmp_path, *args, timeout=timeout, grace=30, env=env)
-
-
-def _results(tmp_path, scenario, *args, timeout=300, env=None):
-    return run_scenario(SCENARIOS, scenario, tmp_path, *args, timeout=timeout, grace=30, env=env)
-
-
-@pytest.mark.timeout(360)
-def test_background_failures_raise_on_every_rank(tmp_path):
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_failures)
+def test_background_failures_raise_on_every_rank(async_runs):
     """Rank 0's disk fills up in the background (found by the next save, and by ``wait_for_checkpoint``), and rank 1
     fails while it sends its shard: every rank raises ``CheckpointError``, the previous file is intact, no temporary
     file is left, and the next save succeeds."""
-    results = _results(tmp_path, "failures", env={"PL_CHECKPOINT_TIMEOUT": "10"})
+    results = async_runs.results("failures")
     # the save returned while its file was still being written
     assert all(r["good"]["in_flight"] for r in results), results
     for index, (case, found_by) in enumerate(
@@ -96,31 +122,48 @@ def test_background_failures_raise_on_every_rank(tmp_path):
         assert zero["tmp"] == [], zero
 
 
-@pytest.mark.timeout(300)
-def test_kill_during_background_write_keeps_previous_file(tmp_path):
+def plan_kill(batches: ScenarioBatches) -> None:
+    """The kill ends the 2-rank batch; the 1-rank batch, launched after it, saves into the killed run's folder."""
+    killed = _two(batches).add("kill", "kill", fails=True)
+    batches.batch(batch_name(1), 1).add("cleanup", "cleanup", "--folder", killed / "ckpts")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_kill)
+def test_kill_during_background_write_keeps_previous_file(async_runs):
     """``kill -9`` of every rank while rank 0's writer thread is writing: the previous file is intact, and the next
     save into the folder removes the dead writer's temporary file."""
-    result = _run(tmp_path, "kill", timeout=200)
+    result = async_runs.failure("kill")
     assert not result.timed_out, result.output[-4000:]
     assert result.returncode == -9, f"exit code {result.returncode}; output:\n{result.output[-4000:]}"
-    folder = tmp_path / "ckpts"
-    before = (tmp_path / "before.sha256").read_text()
-    assert (tmp_path / "tmp_before_kill.txt").read_text(), "the writer thread had not started"
-    debris = sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
-    assert debris, "the killed writer left no temporary file"
-    zero = _results(tmp_path, "cleanup")[0]
+    killed: Path = async_runs.folder("kill")
+    before = (killed / "before.sha256").read_text()
+    assert (killed / "tmp_before_kill.txt").read_text(), "the writer thread had not started"
+    zero = async_runs.results("cleanup")[0]
+    # listed by the next launch before it saved anything
+    assert zero["debris"], "the killed writer left no temporary file"
     assert zero["before"] == before and zero["loads"], zero
     assert zero["tmp"] == [] and zero["equal"], zero
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("ordering", ["deferred", "broken"])
-def test_model_checkpoint_never_leaves_no_complete_checkpoint(tmp_path, ordering):
+ORDERINGS = ["deferred", "broken"]
+
+
+def plan_model_checkpoint(batches: ScenarioBatches) -> None:
+    for ordering in ORDERINGS:
+        broken = ["--broken-ordering"] if ordering == "broken" else []
+        _two(batches).add(f"model_checkpoint-{ordering}", "model_checkpoint", *broken)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("ordering", ORDERINGS)
+@queues(plan_model_checkpoint)
+def test_model_checkpoint_never_leaves_no_complete_checkpoint(async_runs, ordering):
     """``save_top_k=1`` and ``save_last=True`` with slowed background writes: at every moment a complete top-k
     checkpoint is on disk, and ``best_model_path``/``last_model_path`` name committed files when ``fit`` returns.
     With the replaced file removed at once, as ``ModelCheckpoint`` asks (``broken``), the folder has moments without
     a complete top-k checkpoint, which the check sees."""
-    results = _results(tmp_path, "model_checkpoint", *(["--broken-ordering"] if ordering == "broken" else []))
+    results = async_runs.results(f"model_checkpoint-{ordering}")
     zero = results[0]
     assert zero["listings"] > 100, zero
     assert zero["fewest"] == {"all": 1, "top_k": 1 if ordering == "deferred" else 0}, zero
@@ -129,8 +172,13 @@ def test_model_checkpoint_never_leaves_no_complete_checkpoint(tmp_path, ordering
     print(f"async saves ({ordering}): training-thread stall per save {[round(s, 3) for s in zero['stalls']]} s")
 
 
-@pytest.mark.timeout(300)
-def test_background_save_lifecycle(tmp_path):
+def plan_lifecycle(batches: ScenarioBatches) -> None:
+    _two(batches).add("lifecycle", "lifecycle", "--checkpoint-timeout", "20")
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_lifecycle)
+def test_background_save_lifecycle(async_runs):
     """In one 2-rank run, with rank 0's writes slowed so that each save is still in flight at the next one:
 
     - ``ModelCheckpoint(filename="fixed", save_top_k=-1, every_n_train_steps=1)`` keeps as many files, with the same
@@ -141,7 +189,7 @@ def test_background_save_lifecycle(tmp_path):
     - ``SIGINT`` on every rank mid-save, in a step and while waiting for the save: ``fit`` returns with the save
       committed, the file it replaced removed and the background group destroyed.
     """
-    results = _results(tmp_path, "lifecycle", timeout=240, env={"PL_CHECKPOINT_TIMEOUT": "20"})
+    results = async_runs.results("lifecycle")
     zero = results[0]
     expected = {"fixed.ckpt": 1, "fixed-v1.ckpt": 2, "fixed-v2.ckpt": 3, "fixed-v3.ckpt": 4}
     assert zero["sync"]["files"] == expected, zero["sync"]
@@ -173,17 +221,27 @@ def test_background_save_lifecycle(tmp_path):
         assert zero[case]["tmp"] == [], zero[case]
 
 
-@pytest.mark.timeout(300)
-def test_host_copies_that_do_not_fit_are_saved_synchronously(tmp_path):
+HOST_MEMORY_SIZE = 4 * HOST_MEMORY_UNITS * (HOST_MEMORY_WIDTH * HOST_MEMORY_WIDTH + HOST_MEMORY_WIDTH)
+
+
+def plan_host_memory(batches: ScenarioBatches) -> None:
+    batch = _two(batches)
+    fake = batch.folder("host_memory") / "fake"
+    FakeProc(fake)
+    headrooms = [3 * HOST_MEMORY_SIZE, 4 * HOST_MEMORY_SIZE, HOST_MEMORY_SIZE]
+    batch.add("host_memory", "host_memory", "--proc", fake, "--headrooms", *headrooms)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@queues(plan_host_memory)
+def test_host_copies_that_do_not_fit_are_saved_synchronously(async_runs):
     """Both ranks in one job cgroup (fake ``/proc`` and cgroup files). Each rank copies its half of the parameters and
     of Adam's two states (1.5 x S for a model of S bytes) and global rank 0 receives a unit from each rank (0.5 x S):
     with 3 x S left in the job the save is synchronous, complete, and says why; with 4 x S it goes to the background;
     then, its copies reused, 1 x S is enough."""
-    size = 4 * HOST_MEMORY_UNITS * (HOST_MEMORY_WIDTH * HOST_MEMORY_WIDTH + HOST_MEMORY_WIDTH)
-    fake = FakeProc(tmp_path / "fake")
-    headrooms = [3 * size, 4 * size, size]
-    args = ["--proc", str(tmp_path / "fake"), "--headrooms", *map(str, headrooms)]
-    zero, one = _results(tmp_path, "host_memory", *args)
+    size = HOST_MEMORY_SIZE
+    fake = FakeProc(async_runs.folder("host_memory") / "fake", create=False)
+    zero, one = async_runs.results("host_memory")
     for result in (zero, one):
         assert [save["background"] for save in result["saves"]] == [False, True, True], result
     assert [save["warnings"] for save in one["saves"]] == [[], [], []]
