@@ -4,6 +4,7 @@ import argparse
 import http.server
 import os
 import pickle
+import runpy
 import subprocess
 import sys
 import threading
@@ -369,18 +370,30 @@ def test_tuner_loads_a_planted_hpc_checkpoint_safely(tmp_path, malicious, tuner)
     _assert_refused(info.value, root / "hpc_ckpt_1.ckpt")
 
 
-def _upgrade(path: Path, **env: str) -> subprocess.CompletedProcess:
+UPGRADE_CLI = "pytorch_lightning.utilities.upgrade_checkpoint"
+
+
+def _upgrade(path: Path) -> subprocess.CompletedProcess:
     """``python -m pytorch_lightning.utilities.upgrade_checkpoint --file path``, with this repository's build."""
-    command = [sys.executable, "-m", "pytorch_lightning.utilities.upgrade_checkpoint", "--file", str(path)]
+    command = [sys.executable, "-m", UPGRADE_CLI, "--file", str(path)]
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), **env}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_upgrade_checkpoint_cli_loads_safely(tmp_path):
+def _upgrade_in_this_process(path: Path, monkeypatch) -> None:
+    """The same command line, its ``__main__`` code run in this process as ``python -m`` runs it (``runpy``)."""
+    monkeypatch.setattr(sys, "argv", ["-m", "--file", str(path)])
+    runpy.run_module(UPGRADE_CLI, run_name="__main__", alter_sys=True)
+
+
+# `python -m` warns so too: the package's import imports the module (for its KEYS_MAPPING) before it runs as __main__
+@pytest.mark.filterwarnings("ignore:'pytorch_lightning.utilities.upgrade_checkpoint' found in sys.modules")
+def test_upgrade_checkpoint_cli_loads_safely(tmp_path, monkeypatch):
     """The upgrade tool loads like every other load: a checkpoint of the old schema with ``Namespace`` and enum
     hyperparameters is upgraded; a malicious file is refused and left as it was, unless
-    ``PL_UNSAFE_CHECKPOINT_LOAD=1``."""
+    ``PL_UNSAFE_CHECKPOINT_LOAD=1``. The first run is the real command line; the others run its code in this
+    process, to spare the suite two interpreter starts."""
     legacy = {
         "epoch": 3,
         "global_step": 30,
@@ -403,11 +416,12 @@ def test_upgrade_checkpoint_cli_loads_safely(tmp_path):
     assert upgraded["callbacks"][ModelCheckpoint]["best_model_score"] == 0.5
     assert upgraded["callbacks"][EarlyStopping]["wait_count"] == 2 and "early_stop_callback_wait" not in upgraded
 
-    refused = _upgrade(bad)
-    assert refused.returncode != 0 and "CheckpointError" in refused.stderr and "posix.system" in refused.stderr
+    with pytest.raises(CheckpointError, match="posix.system"):
+        _upgrade_in_this_process(bad, monkeypatch)
     assert not marker.exists() and bad.read_bytes() == bad_bytes
 
-    assert _upgrade(bad, PL_UNSAFE_CHECKPOINT_LOAD="1").returncode == 0
+    monkeypatch.setenv("PL_UNSAFE_CHECKPOINT_LOAD", "1")
+    _upgrade_in_this_process(bad, monkeypatch)
     assert marker.exists()
 
 

@@ -10,14 +10,19 @@ gloo): ``python -m tests.strategies.fsdp_checkpoint_group_scenarios <scenario> -
 - ``gloo_group_fails``: during ``setup``, gloo on global rank 1 is pointed at a network interface it cannot use
   (``GLOO_SOCKET_IFNAME``), while the default process group works, as NCCL does over InfiniBand for a job whose host
   names resolve to an address the other nodes cannot reach. Global rank 1 cannot create the checkpoint group, global
-  rank 0 times out waiting for it (``PL_CHECKPOINT_TIMEOUT``, set short by the test). Every rank reports what ``fit``
-  raised. Then the same job with ``PL_CHECKPOINT_GLOO_GROUP=0`` trains, saves, and a save that fails on global rank
-  0 raises on every rank.
-- ``arrival``: with ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` set short by the test, global rank 1 calls
+  rank 0 times out waiting for it (``PL_CHECKPOINT_TIMEOUT``, set short by the scenario). Every rank reports what
+  ``fit`` raised. Then the same job with ``PL_CHECKPOINT_GLOO_GROUP=0`` trains, saves, and a save that fails on
+  global rank 0 raises on every rank.
+- ``arrival``: with ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` set short by the scenario, global rank 1 calls
   ``trainer.save_checkpoint`` later than global rank 0, but within the bound; then global rank 0 calls it alone, as
   under ``if trainer.is_global_zero:``, while global rank 1 waits in a barrier of the default process group; then both
   call it (the checkpoint group is closed on rank 0 now); then ``trainer.validate`` sets up again and both save. Every
   rank reports each save's outcome, how long it took, and what its checkpoint group is after it.
+
+The test runs the three in one launch (``fsdp_harness.runner.ScenarioBatch``), ``gloo_group_fails`` last. So each
+scenario sets the environment variables it needs itself, on every rank, before its first ``Trainer`` reads them (they
+are read when the strategy sets up and when it saves, not at import), and restores them, and the fake ``/proc`` of
+``host_memory`` is only read during that scenario.
 
 Driven by ``test_ddp_fully_sharded_checkpoint_group.py``.
 """
@@ -26,7 +31,8 @@ import errno
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+from unittest import mock
 
 import torch
 import torch.distributed.distributed_c10d as c10d
@@ -69,8 +75,11 @@ def _save(trainer: Trainer, path: Path, **kwargs: Any) -> Optional[str]:
 
 
 def host_memory_scenario(args: argparse.Namespace) -> Dict[str, Any]:
-    host_memory.PROC_ROOT = str(Path(args.proc) / "proc")
-    fake = FakeProc(Path(args.proc), create=False)
+    with mock.patch.object(host_memory, "PROC_ROOT", str(Path(args.proc) / "proc")):
+        return _host_memory(args, FakeProc(Path(args.proc), create=False))
+
+
+def _host_memory(args: argparse.Namespace, fake: FakeProc) -> Dict[str, Any]:
     result: Dict[str, Any] = {"S": S}
 
     def save_with_headroom(trainer: Trainer, name: str, headroom: float, **kwargs: Any) -> None:
@@ -174,13 +183,13 @@ def gloo_group_fails(args: argparse.Namespace) -> Dict[str, Any]:
     result["seconds"] = time.monotonic() - start
 
     # the documented way out: the checkpoint failures go over the default process group
-    os.environ["PL_CHECKPOINT_GLOO_GROUP"] = "0"
-    strategy = UnreachableGlooInterface(stream_checkpoint=False)
-    trainer = _fit(args, strategy, plugins=[FullDiskIO()])
-    result.update(rank=trainer.global_rank, global_step=trainer.global_step)
-    result["checkpoint_group"] = repr(strategy._checkpoint_state.checkpoint_group)
-    result["saved"] = _save(trainer, args.out / "saved.ckpt")
-    result["full_disk"] = _save(trainer, args.out / "full-disk.ckpt")
+    with mock.patch.dict(os.environ, {"PL_CHECKPOINT_GLOO_GROUP": "0"}):
+        strategy = UnreachableGlooInterface(stream_checkpoint=False)
+        trainer = _fit(args, strategy, plugins=[FullDiskIO()])
+        result.update(rank=trainer.global_rank, global_step=trainer.global_step)
+        result["checkpoint_group"] = repr(strategy._checkpoint_state.checkpoint_group)
+        result["saved"] = _save(trainer, args.out / "saved.ckpt")
+        result["full_disk"] = _save(trainer, args.out / "full-disk.ckpt")
     return result
 
 
@@ -213,8 +222,18 @@ def arrival(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-#: ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` of ``arrival`` (the test sets it)
+#: ``PL_CHECKPOINT_ARRIVAL_TIMEOUT`` of ``arrival``
 ARRIVAL_SECONDS = 3.0
+
+
+def _with_env(scenario: Callable[[argparse.Namespace], Dict[str, Any]], **env: str) -> Callable:
+    """``scenario`` with ``env`` set in ``os.environ`` while it runs (a batch's next scenario runs without)."""
+
+    def run(args: argparse.Namespace) -> Dict[str, Any]:
+        with mock.patch.dict(os.environ, env):
+            return scenario(args)
+
+    return run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -223,5 +242,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 if __name__ == "__main__":
     main(
-        {"host_memory": host_memory_scenario, "gloo_group_fails": gloo_group_fails, "arrival": arrival}, add_arguments
+        {
+            "host_memory": host_memory_scenario,
+            # short, so that global rank 0 gives up waiting for global rank 1's gloo address quickly
+            "gloo_group_fails": _with_env(gloo_group_fails, PL_CHECKPOINT_TIMEOUT="5"),
+            "arrival": _with_env(
+                arrival, PL_CHECKPOINT_ARRIVAL_TIMEOUT=str(ARRIVAL_SECONDS), PL_CHECKPOINT_TIMEOUT="30"
+            ),
+        },
+        add_arguments,
     )

@@ -18,10 +18,12 @@ on CPU FSDP (2 ranks over gloo): ``python -m tests.strategies.fsdp_gather_fault_
 - ``outside_loop``: a callback's ``state_dict`` raises on one rank during a gathered save, after the model's gather
   and before the optimizer state's: the failing rank goes to the save's final exchange while the others are in the
   optimizer-state loop.
-- ``slow_write``: the FSDP process group gets a 5 s timeout (it sets none, so on GPUs it has NCCL's default, ten
-  minutes, after which the watchdog ends the job), and one ``pwrite`` of global rank 0 during a streamed save sleeps
-  8 s: the other rank must wait for it on the checkpoint group (``PL_CHECKPOINT_TIMEOUT``), not in the next gather
-  on the FSDP group.
+- ``slow_write``: the FSDP process groups get a timeout of ``FSDP_GROUP_SECONDS`` (they set none, so on GPUs they
+  have NCCL's default, ten minutes, after which the watchdog ends the job), and one ``pwrite`` of global rank 0
+  during a streamed save sleeps ``SLOW_WRITE_SECONDS``: the other rank must wait for it on the checkpoint group
+  (``PL_CHECKPOINT_TIMEOUT``), not in the next gather on the FSDP group. The groups that FairScale caches
+  process-wide are created afresh for it (with that timeout) and the ones from before put back after it, so that it
+  can run in a batch after the other scenarios.
 
 Every rank writes ``<out>/rank<N>.json`` with one outcome per case (see ``fsdp_collective_fault_scenarios._outcome``)
 plus, on rank 0, the sha256 of the previous checkpoint after the case and the files of the checkpoint folder.
@@ -37,6 +39,7 @@ from typing import Any, Callable, Dict, Generator, Optional, Set, Tuple
 from unittest import mock
 
 import torch
+from fairscale.internal.parallel import get_process_group_cached
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,6 +56,10 @@ UNITS = 3
 #: which FSDP unit with parameters fails (1-based, in the order FairScale gathers them)
 POSITIONS = {"first": 1, "middle": 2, "last": UNITS}
 CASES = [(rank, position) for rank in (0, 1) for position in POSITIONS]
+#: ``slow_write``: the timeout of the FSDP process groups, and the sleep of global rank 0's write, well past it (the
+#: other rank, on its way to the next gather when the sleep begins, would wait there for most of it)
+FSDP_GROUP_SECONDS = 3.0
+SLOW_WRITE_SECONDS = 5.0
 
 
 def _oom(where: str) -> MemoryError:
@@ -329,11 +336,17 @@ def slow_write(args: argparse.Namespace) -> Dict[str, Any]:
 
     def new_group(*a: Any, **k: Any) -> Any:
         # a group that sets no timeout of its own, such as the FSDP process group, gets its backend's default
-        # (NCCL's: ten minutes); here 5 s. The checkpoint group sets ``PL_CHECKPOINT_TIMEOUT``.
-        k.setdefault("timeout", timedelta(seconds=5))
+        # (NCCL's: ten minutes); here FSDP_GROUP_SECONDS. The checkpoint group sets ``PL_CHECKPOINT_TIMEOUT``.
+        k.setdefault("timeout", timedelta(seconds=FSDP_GROUP_SECONDS))
         return original_new_group(*a, **k)
 
     torch.distributed.new_group = new_group
+    # FairScale's process-wide groups too (its reduce-scatter group), not those of the batch's earlier scenarios
+    with mock.patch.object(get_process_group_cached, "_global_group_cache", {}, create=True):
+        return _slow_write(args)
+
+
+def _slow_write(args: argparse.Namespace) -> Dict[str, Any]:
     model = _model(width=64)  # units of 16 KiB: one ``pwrite`` per parameter
     trainer, path = _fitted(args, model)
     original_pwrite, original_skeleton = os.pwrite, _StreamedCheckpointFile.write_skeleton
@@ -347,8 +360,8 @@ def slow_write(args: argparse.Namespace) -> Dict[str, Any]:
         if unit_writes[0] >= 0:
             unit_writes[0] += 1
             if unit_writes[0] == 2:  # the first unit's bias: the other rank is on its way to the second unit
-                time.sleep(8)
-                slept[0] = 8.0
+                time.sleep(SLOW_WRITE_SECONDS)
+                slept[0] = SLOW_WRITE_SECONDS
         return original_pwrite(fd, data, offset)
 
     trainer.strategy.barrier()
@@ -367,6 +380,7 @@ def slow_write(args: argparse.Namespace) -> Dict[str, Any]:
     if trainer.is_global_zero:
         saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
         outcome.update(slept=slept[0], equal=all(torch.equal(saved[k], full[k]) for k in full))
+        outcome["group_seconds"] = FSDP_GROUP_SECONDS
     return {"rank": trainer.global_rank, "cases": [outcome]}
 
 

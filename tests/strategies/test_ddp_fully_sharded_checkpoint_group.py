@@ -10,22 +10,53 @@
   error naming ``GLOO_SOCKET_IFNAME``, and ``PL_CHECKPOINT_GLOO_GROUP=0`` trains without it;
 - ``trainer.save_checkpoint`` called on global rank 0 alone raises after ``PL_CHECKPOINT_ARRIVAL_TIMEOUT``, naming the
   mistake, while a rank that is late within that bound saves.
+
+The three scenarios run one after the other in ONE launch of the ranks (:class:`~fsdp_harness.runner.ScenarioBatch`),
+each setting the environment variables it needs itself; ``gloo_group_fails`` runs last, after the gloo group that
+could not be created.
 """
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 
-from fsdp_harness.runner import run_scenario
+from fsdp_harness.runner import ScenarioBatch, selected_tests
 from tests.helpers.fake_proc import FakeProc
 from tests.strategies.fsdp_checkpoint_group_scenarios import ARRIVAL_SECONDS
 
 SCENARIOS = "tests.strategies.fsdp_checkpoint_group_scenarios"
+BATCH_TIMEOUT = 420
+#: the scenario each test reads, in the order they run (the failed group creation last)
+CASES = {
+    "test_host_memory_check_and_per_rank_optimizer_states": "host_memory",
+    "test_save_called_on_global_rank_0_alone": "arrival",
+    "test_checkpoint_group_that_cannot_be_created": "gloo_group_fails",
+}
 
 
-@pytest.mark.timeout(360)
-def test_host_memory_check_and_per_rank_optimizer_states(tmp_path):
-    fake = FakeProc(tmp_path / "fake")
+class Runs(NamedTuple):
+    batch: ScenarioBatch
+    fake: FakeProc  # the fake /proc and cgroup files of ``host_memory``
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> Runs:
+    """Queue the scenarios of the selected tests; the first test that reads one launches them all."""
+    root = tmp_path_factory.mktemp("checkpoint_group")
+    fake = FakeProc(root / "fake")
     fake.set_mem_available(2**40)  # the host has plenty: only the job's cgroup limit is tight
-    out = tmp_path / "out"
-    results = run_scenario(SCENARIOS, "host_memory", out, "--proc", tmp_path / "fake", timeout=300)
+    batch = ScenarioBatch(SCENARIOS, root / "out", timeout=BATCH_TIMEOUT)
+    selected = selected_tests(request)
+    for test, scenario in CASES.items():
+        if test in selected:
+            batch.add(scenario, scenario, *(["--proc", root / "fake"] if scenario == "host_memory" else []))
+    return Runs(batch, fake)
+
+
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+def test_host_memory_check_and_per_rank_optimizer_states(runs):
+    fake = runs.fake
+    results = runs.batch.results("host_memory")
     for rank, result in enumerate(results):
         # rank 0 needs S for the state dict and 2 S for Adam's consolidated state
         assert result["gathered-2S"] is not None and "failed on global rank 0" in result["gathered-2S"], result
@@ -48,11 +79,11 @@ def test_host_memory_check_and_per_rank_optimizer_states(tmp_path):
     assert results[0]["saved_states"] == [r["own_state"] for r in results]
 
 
-@pytest.mark.timeout(300)
-def test_checkpoint_group_that_cannot_be_created(tmp_path):
-    # short, so that global rank 0 gives up waiting for global rank 1's gloo address quickly
-    env = {"PL_CHECKPOINT_TIMEOUT": "5"}
-    results = run_scenario(SCENARIOS, "gloo_group_fails", tmp_path, timeout=240, env=env)
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+def test_checkpoint_group_that_cannot_be_created(runs):
+    # with `PL_CHECKPOINT_TIMEOUT=5` (set by the scenario)
+    results = runs.batch.results("gloo_group_fails")
+    out: Path = runs.batch.folder("gloo_group_fails")
     for rank, result in enumerate(results):
         raised = result["raised"]
         assert raised is not None and raised.startswith("MisconfigurationException"), result
@@ -64,13 +95,13 @@ def test_checkpoint_group_that_cannot_be_created(tmp_path):
         assert result["checkpoint_group"] == "None" and result["global_step"] == 2
         assert result["saved"] is None
         assert result["full_disk"] is not None and "failed on global rank 0: OSError" in result["full_disk"], result
-    assert (tmp_path / "saved.ckpt").exists() and not (tmp_path / "full-disk.ckpt").exists()
+    assert (out / "saved.ckpt").exists() and not (out / "full-disk.ckpt").exists()
 
 
-@pytest.mark.timeout(300)
-def test_save_called_on_global_rank_0_alone(tmp_path):
-    env = {"PL_CHECKPOINT_ARRIVAL_TIMEOUT": str(ARRIVAL_SECONDS), "PL_CHECKPOINT_TIMEOUT": "30"}
-    zero, one = run_scenario(SCENARIOS, "arrival", tmp_path, timeout=240, env=env)
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+def test_save_called_on_global_rank_0_alone(runs):
+    # with `PL_CHECKPOINT_ARRIVAL_TIMEOUT` at ARRIVAL_SECONDS (set by the scenario)
+    zero, one = runs.batch.results("arrival")
     # global rank 1 began the save half the bound after global rank 0: it is saved
     for result in (zero, one):
         assert result["late"]["raised"] is None and result["late"]["group"] == "ProcessGroup", result

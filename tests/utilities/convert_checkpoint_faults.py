@@ -1,16 +1,18 @@
-"""The converter's command line with its DCP writes hooked, for ``test_convert_checkpoint.py``:
+"""Torch's DCP file writes slowed or failing, for ``test_convert_checkpoint.py``: the converter's command line with
+its writes slowed,
 
     python -m tests.utilities.convert_checkpoint_faults slow SECONDS -- SRC DST --to dcp
-    python -m tests.utilities.convert_checkpoint_faults enospc BYTES -- SRC DST --to dcp
 
-``slow``: every write of torch's DCP file writer first sleeps ``SECONDS`` (a slow disk), so that a test can kill or
-interrupt the conversion mid-write. ``enospc``: once ``BYTES`` have been written, writes fail with ``ENOSPC`` as a
-full disk fails them. The hook wraps the streams of ``torch.distributed.checkpoint.filesystem.FileSystem``, the ones
-``FileSystemWriter`` writes its data and metadata files through; the rest is the command line itself.
+(every write of torch's DCP file writer first sleeps ``SECONDS``, a slow disk, so that a test can kill or interrupt
+the conversion mid-write), and :func:`hooked_create_stream` with :func:`enospc_after`, with which a test fails the
+writes of a conversion in its own process as a full disk fails them. The hook wraps the streams of
+``torch.distributed.checkpoint.filesystem.FileSystem``, the ones ``FileSystemWriter`` writes its data and metadata
+files through; the rest is the command line itself.
 """
 import contextlib
 import errno
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -28,7 +30,8 @@ def _slow(seconds: float) -> Callable[[bytes], None]:
     return before_write
 
 
-def _enospc(limit: int) -> Callable[[bytes], None]:
+def enospc_after(limit: int) -> Callable[[bytes], None]:
+    """A ``before_write`` that fails the write with ``ENOSPC`` once ``limit`` bytes have been written."""
     written = 0
 
     def before_write(data: bytes) -> None:
@@ -40,7 +43,8 @@ def _enospc(limit: int) -> Callable[[bytes], None]:
     return before_write
 
 
-def _hook_writes(before_write: Callable[[bytes], None]) -> None:
+def hooked_create_stream(before_write: Callable[[bytes], None]) -> Callable:
+    """A replacement of ``FileSystem.create_stream`` whose write streams call ``before_write(data)`` first."""
     original = FileSystem.create_stream
 
     @contextlib.contextmanager
@@ -48,13 +52,16 @@ def _hook_writes(before_write: Callable[[bytes], None]) -> None:
         with original(self, path, mode) as stream:
             yield HookedWrites(stream, before_write) if "w" in mode else stream
 
-    FileSystem.create_stream = create_stream
+    return create_stream
 
 
 def main() -> None:
     mode, value, separator, *argv = sys.argv[1:]
-    assert separator == "--", sys.argv
-    _hook_writes(_slow(float(value)) if mode == "slow" else _enospc(int(value)))
+    assert mode == "slow" and separator == "--", sys.argv
+    # Python's Ctrl-C handler, as in a terminal: a test run started in the background by a non-interactive shell
+    # (`pytest ... &`) ignores SIGINT, and its children inherit that
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    FileSystem.create_stream = hooked_create_stream(_slow(float(value)))
     convert_checkpoint.main(argv)
 
 

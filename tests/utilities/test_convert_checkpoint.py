@@ -2,7 +2,10 @@
 
 The source is a checkpoint of a single-device ``fit`` whose optimizer state is laid out as the fork's FSDP strategy
 writes it: ``param_names``, and the tensors of each state key views into one record. The command line runs as a
-real subprocess; ``convert_checkpoint_faults`` runs it with torch's DCP file writes slowed or failing.
+real subprocess where the process itself matters (its progress bar and exit code once; killed or interrupted
+mid-write, by ``convert_checkpoint_faults``, which slows torch's DCP file writes); elsewhere its ``main`` runs in
+this process (with the writes failing, by ``convert_checkpoint_faults`` too), to spare the suite an interpreter
+start (seconds, to import Lightning) per case.
 """
 import os
 import re
@@ -17,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fsdp_harness.multiprocess import ROOT
 from fsdp_harness.tensor_compare import compare_tensors
@@ -25,6 +29,7 @@ from pytorch_lightning.utilities import named_optimizer_state
 from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint, main
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from tests.helpers.boring_model import BoringModel
+from tests.utilities.convert_checkpoint_faults import enospc_after, hooked_create_stream
 
 CLI = "pytorch_lightning.utilities.convert_checkpoint"
 FAULTS = "tests.utilities.convert_checkpoint_faults"
@@ -93,17 +98,17 @@ def _leftovers(folder: Path) -> List[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
-def _cli(*argv: Any, module: str = CLI, **kwargs: Any) -> subprocess.CompletedProcess:
+def _cli(*argv: Any) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", module, *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-        **kwargs,
+        [sys.executable, "-m", CLI, *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
 
 
-def _start(*argv: Any, module: str = FAULTS) -> subprocess.Popen:
+def _start_slow(*argv: Any) -> subprocess.Popen:
+    """The command line with every DCP write slowed by 50 ms, writing progress and errors to its ``stdout``."""
     return subprocess.Popen(
-        [sys.executable, "-m", module, *map(str, argv)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
+        [sys.executable, "-m", FAULTS, "slow", "0.05", "--", *map(str, argv)], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
     )
 
 
@@ -253,7 +258,7 @@ def _mounted_tmpfs(folder: Path, size: str) -> bool:
 
 
 @pytest.mark.parametrize("disk", ["tmpfs", "injected"])
-def test_full_disk_leaves_nothing(source, tmp_path, disk):
+def test_full_disk_leaves_nothing(source, tmp_path, disk, capsys, monkeypatch):
     """The disk fills up while the data file is written: exit code 1, a line naming the error, and nothing left.
     ``tmpfs``: a real 64 KiB filesystem (needs root to mount); ``injected``: DCP's writes fail with ``ENOSPC``."""
     folder = tmp_path / "disk"
@@ -263,13 +268,13 @@ def test_full_disk_leaves_nothing(source, tmp_path, disk):
         assert source.stat().st_size > 2 * 64 * 1024
     else:
         folder.mkdir()
+        monkeypatch.setattr(FileSystem, "create_stream", hooked_create_stream(enospc_after(100_000)))
     try:
-        if disk == "tmpfs":
-            result = _cli(source, folder / "out.dcp", "--to", "dcp")
-        else:
-            result = _cli("enospc", 100_000, "--", source, folder / "out.dcp", "--to", "dcp", module=FAULTS)
-        assert result.returncode == 1, result.stderr
-        message = result.stderr.splitlines()[-1]
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(source), str(folder / "out.dcp"), "--to", "dcp"])
+        stderr = capsys.readouterr().err
+        assert exit_info.value.code == 1, stderr
+        message = stderr.splitlines()[-1]
         assert message.startswith(f"python -m {CLI}: error: writing {folder / 'out.dcp'} failed; nothing was written: ")
         assert "OSError: [Errno 28] No space left on device" in message, message
         assert message.endswith(" free on its filesystem)"), message
@@ -282,9 +287,9 @@ def test_full_disk_leaves_nothing(source, tmp_path, disk):
 @pytest.mark.timeout(180)
 def test_killed_conversion_is_removed_by_the_next(source, tmp_path):
     """``kill -9`` while the data file is being written leaves the work directory; the next conversion into the
-    folder removes it and succeeds."""
+    folder (here in this process) removes it and succeeds."""
     dst = tmp_path / "out.dcp"
-    process = _start("slow", 0.05, "--", source, dst, "--to", "dcp")
+    process = _start_slow(source, dst, "--to", "dcp")
     try:
         work = _wait_for_data_written(tmp_path, process)
         process.send_signal(signal.SIGKILL)
@@ -294,8 +299,7 @@ def test_killed_conversion_is_removed_by_the_next(source, tmp_path):
     assert work.is_dir() and not dst.exists()
     assert work.name.startswith(".out.dcp.") and f".{process.pid}." in work.name
 
-    result = _cli(source, dst, "--to", "dcp", "--no-progress")
-    assert result.returncode == 0, result.stderr
+    assert main([str(source), str(dst), "--to", "dcp", "--no-progress"]) in (None, 0)
     assert _leftovers(tmp_path) == [] and dst.is_dir()
 
 
@@ -304,7 +308,7 @@ def test_killed_conversion_is_removed_by_the_next(source, tmp_path):
 def test_interrupted_conversion_leaves_nothing(source, tmp_path, signum):
     """``SIGTERM`` (a scheduler's stop) or ``SIGINT`` (Ctrl-C) mid-write: the conversion removes its work directory
     and exits with 128 + the signal's number."""
-    process = _start("slow", 0.05, "--", source, tmp_path / "out.dcp", "--to", "dcp")
+    process = _start_slow(source, tmp_path / "out.dcp", "--to", "dcp")
     try:
         _wait_for_data_written(tmp_path, process)
         process.send_signal(signum)
