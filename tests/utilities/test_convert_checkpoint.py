@@ -317,3 +317,19 @@ def test_interrupted_conversion_leaves_nothing(source, tmp_path, signum):
         process.kill()
     assert process.returncode == 128 + signum, output
     assert os.listdir(tmp_path) == [], output
+
+
+def test_main_gives_back_the_callers_signal_handlers(source, tmp_path):
+    """``main`` may run inside a larger program (here pytest): the handlers it installs for the conversion are the
+    caller's again once it returns, whether it succeeded or failed."""
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main([str(source), str(tmp_path / "out.dcp"), "--to", "dcp", "--no-progress"]) in (None, 0)
+        with pytest.raises(SystemExit):
+            main([str(source), str(tmp_path / "out.dcp"), "--to", "dcp", "--no-progress"])  # exists: refused
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)

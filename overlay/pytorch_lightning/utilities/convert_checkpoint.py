@@ -305,9 +305,12 @@ def _raise_on_termination(signum: int, frame: Any) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if signum is not None:
-            signal.signal(signum, _raise_on_termination)
+    # a caller's own handlers come back when ``main`` returns (it may run inside a larger program)
+    previous = {
+        signum: signal.signal(signum, _raise_on_termination)
+        for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
+        if signum is not None
+    }
     try:
         convert_checkpoint(args.src, args.dst, to=args.to, force=args.force, progress=args.progress)
     except MisconfigurationException as ex:
@@ -321,6 +324,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         )
     except KeyboardInterrupt:
         parser.exit(128 + signal.SIGINT, f"{parser.prog}: interrupted; nothing was written\n")
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print(f"wrote {args.dst}", file=sys.stderr)
 
 
