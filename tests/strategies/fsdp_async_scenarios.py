@@ -17,8 +17,9 @@ gloo): ``python -m tests.strategies.fsdp_async_scenarios <scenario> --out DIR``.
   flight, in a training step and while the rank waits for the save, after which ``fit`` returns.
 - ``host_memory``: every rank reads its host memory from a fake ``/proc`` and cgroup filesystem (``--proc``, made by
   the test with ``tests/helpers/fake_proc.py``: both ranks in one Slurm-like job cgroup). At the end of the first
-  epoch, global rank 0 sets the job's headroom (``--headrooms``, bytes) before each of three saves; every rank reports
-  whether each went to the background and the warnings it logged, and rank 0 compares the files.
+  epoch, global rank 0 sets the job's headroom (``--headrooms``, bytes) before each save, made with the
+  ``checkpoint_writers`` of ``--writers`` (``rank0`` where not given); every rank reports whether each went to the
+  background and the warnings it logged, and rank 0 compares the files.
 
 Every rank writes ``<out>/rank<N>.json``; driven by ``test_ddp_fully_sharded_async.py``.
 """
@@ -471,6 +472,7 @@ def host_memory_scenario(args: argparse.Namespace) -> Dict[str, Any]:
                 return
             strategy = trainer.strategy
             for index, headroom in enumerate(args.headrooms):
+                strategy.checkpoint_writers = (args.writers[index:] or ["rank0"])[0]
                 strategy.barrier()
                 if trainer.is_global_zero:
                     fake.set_job_memory(limit=GIB + headroom, usage=GIB)
@@ -502,6 +504,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broken-ordering", action="store_true")
     parser.add_argument("--proc", help="the fake /proc and cgroup filesystem (host_memory)")
     parser.add_argument("--headrooms", type=int, nargs="*", default=[], help="bytes left in the job (host_memory)")
+    parser.add_argument("--writers", nargs="*", default=[], help="checkpoint_writers of each save (host_memory)")
 
 
 if __name__ == "__main__":
