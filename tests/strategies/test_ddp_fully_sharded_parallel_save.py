@@ -25,7 +25,7 @@ BLOCK = 4096
 EQUALS = [("tied", "wrap", "sgd", 72), ("plain", "auto_wrap", "adam", 16), ("tied", "wrap", "adam", 72)]
 # saved in the background (``async_checkpoint=True``): SGD momentum and Adam, parameters inside and outside FSDP
 ASYNC_EQUALS = [EQUALS[0], EQUALS[2]]
-BATCHES = {"two": (2, 540), "one": (1, 180)}
+BATCHES = {"two": (2, 420), "one": (1, 180)}
 BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
 FAULTS = [("full_disk", "No space left on device"), ("cannot_open", "No such file")]
 #: the faults' scenarios, each with what every rank raises: saves in the foreground, and in the background

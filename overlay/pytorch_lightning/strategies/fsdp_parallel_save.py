@@ -118,7 +118,8 @@ def _write_units_by_every_rank(
     if decision is not None and decision[0] != "all":
         return fallback(strategy, stream, writer)
     # ``table`` is ``None`` on every rank once a rank failed: then the synchronous path below raises it
-    if table is not None and _saves_in_background(strategy) and _host_copies_fit(strategy, stream, writer, False):
+    in_background = table is not None and _saves_in_background(strategy)
+    if in_background and _host_copies_fit(strategy, stream, writer, gathered=False):
         return _start_background_save(strategy, writer, partial(_copy_own_writes, strategy, stream, table))
     with _committed_if_complete(writer):
         if table is not None:
