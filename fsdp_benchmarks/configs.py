@@ -103,6 +103,12 @@ _FORK_PARALLEL = (
     "the parallel save (checkpoint_writers='all'): rank 0 writes the skeleton, every rank pwrites its own shards into"
     " the one file; skipped on a build whose strategy has no checkpoint_writers"
 )
+_PARALLEL_ASYNC = {**_PARALLEL, "async_checkpoint": True}
+_FORK_PARALLEL_ASYNC = (
+    "the parallel save in the background (checkpoint_writers='all', async_checkpoint=True): training waits while each"
+    " rank copies its shards to host memory, then every rank's thread pwrites its own copies into the one file, no"
+    " unit gathered; measured inside fit"
+)
 _DCP = "dcp_save_and_resume"
 _DCP_PEER = (
     "the peer, not Lightning: torch DCP with FSDP2 (fully_shard per block and root, same model shape and ranks, over"
@@ -128,6 +134,7 @@ CONFIGS: List[BenchConfig] = [
     BenchConfig("fork-async-adam", f"{_FORK_ASYNC}; Adam", _ASYNC, optimizer="adam"),
     BenchConfig("fork-parallel", _FORK_PARALLEL, _PARALLEL),
     BenchConfig("fork-parallel-adam", f"{_FORK_PARALLEL}; Adam", _PARALLEL, optimizer="adam"),
+    BenchConfig("fork-parallel-async", _FORK_PARALLEL_ASYNC, _PARALLEL_ASYNC),
     BenchConfig("dcp-fsdp2", _DCP_PEER, scenario=_DCP),
     BenchConfig("dcp-fsdp2-adam", f"{_DCP_PEER}; Adam", scenario=_DCP, optimizer="adam"),
     BenchConfig(

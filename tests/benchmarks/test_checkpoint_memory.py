@@ -21,7 +21,8 @@ from fsdp_harness.multiprocess import ROOT
 MODULE = "fsdp_benchmarks.checkpoint_memory"
 CONFIGS = [
     "upstream", "rank0-only", "fork", "fork-stream", "upstream-adam", "fork-adam", "fork-stream-adam",
-    "fork-async", "fork-async-adam", "fork-parallel", "fork-parallel-adam", "dcp-fsdp2", "dcp-fsdp2-adam",
+    "fork-async", "fork-async-adam", "fork-parallel", "fork-parallel-adam", "fork-parallel-async", "dcp-fsdp2",
+    "dcp-fsdp2-adam",
     "fork-stream-consolidated", "fork-stream-adam-consolidated", "fork-no-agreement",
     "fork-stream-no-agreement",
 ]

@@ -18,8 +18,9 @@ gloo): ``python -m tests.strategies.fsdp_async_scenarios <scenario> --out DIR``.
   flight, in a training step and while the rank waits for the save, after which ``fit`` returns.
 - ``host_memory``: every rank reads its host memory from a fake ``/proc`` and cgroup filesystem (``--proc``, made by
   the test with ``tests/helpers/fake_proc.py``: both ranks in one Slurm-like job cgroup). At the end of the first
-  epoch, global rank 0 sets the job's headroom (``--headrooms``, bytes) before each of three saves; every rank reports
-  whether each went to the background and the warnings it logged, and rank 0 compares the files.
+  epoch, global rank 0 sets the job's headroom (``--headrooms``, bytes) before each save, made with the
+  ``checkpoint_writers`` of ``--writers`` (``rank0`` where not given); every rank reports whether each went to the
+  background and the warnings it logged, and rank 0 compares the files.
 - ``fit``: ``fsdp_resume_scenarios``'s, so that its exact-resume runs share the launches of these scenarios.
 
 ``--checkpoint-timeout`` sets ``PL_CHECKPOINT_TIMEOUT`` for one scenario (without it, the variable is unset). The
@@ -484,6 +485,7 @@ def host_memory_scenario(args: argparse.Namespace) -> Dict[str, Any]:
                 return
             strategy = trainer.strategy
             for index, headroom in enumerate(args.headrooms):
+                strategy.checkpoint_writers = (args.writers[index:] or ["rank0"])[0]
                 strategy.barrier()
                 if trainer.is_global_zero:
                     fake.set_job_memory(limit=GIB + headroom, usage=GIB)
@@ -516,6 +518,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broken-ordering", action="store_true")
     parser.add_argument("--proc", help="the fake /proc and cgroup filesystem (host_memory)")
     parser.add_argument("--headrooms", type=int, nargs="*", default=[], help="bytes left in the job (host_memory)")
+    parser.add_argument("--writers", nargs="*", default=[], help="checkpoint_writers of each save (host_memory)")
     parser.add_argument("--folder", help="the checkpoint folder of the killed run (cleanup)")
     parser.add_argument("--checkpoint-timeout", help=f"`{CHECKPOINT_TIMEOUT_ENV}` for this scenario (default: unset)")
 

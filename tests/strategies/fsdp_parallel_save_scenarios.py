@@ -5,18 +5,25 @@ run as ``python -m tests.strategies.fsdp_parallel_save_scenarios``; driven by
 Every rank's ``os.pwrite`` calls into the temporary file are recorded while the ranks write their shards, and global
 rank 0 records the byte ranges of the file's FSDP records, so that the test can check that the ranks' blocks are
 disjoint and cover every FSDP byte. ``--writers rank0`` runs the same scenarios with today's writer.
+
+``async_equals_gathered`` and ``async_fails_while_writing`` do the same with ``async_checkpoint=True``, saving inside
+``fit``: the writes then come from the ranks' background threads, which also count their gathers.
 """
 import argparse
 import errno
+import functools
 import os
+import threading
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
+import torch
 
 from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import iter_tensors
-from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning import Callback, Trainer, seed_everything
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import fsdp_streaming_save
 from fsdp_harness.models import FSDPModel
 from tests.strategies.fsdp_stream_scenarios import (
@@ -26,21 +33,25 @@ from tests.strategies.fsdp_stream_scenarios import (
     strategy,
     TiedFSDPModel,
 )
+from tests.strategies.fsdp_async_scenarios import WRITER_THREAD
 
 #: byte ranges written into ``*.tmp`` files while the ranks write their shards, and the FSDP records' ranges
 Ranges = List[Tuple[int, int]]
 
 
 @contextmanager
-def recording_writes(writes: Ranges, records: Ranges) -> Iterator[None]:
-    """Record every ``os.pwrite`` into a temporary checkpoint file once the structure is written (``writes``), and
-    on global rank 0 the byte ranges of the FSDP records of the structure (``records``)."""
+def recording_writes(writes: Ranges, records: Ranges, threads: Optional[List[str]] = None) -> Iterator[None]:
+    """Record every ``os.pwrite`` into a temporary checkpoint file once the structure is written (``writes``, and the
+    name of the thread that made each in ``threads``), and on global rank 0 the byte ranges of the FSDP records of
+    the structure (``records``)."""
     pwrite, writing = os.pwrite, []
 
     def recorded(fd: int, data: Any, offset: int) -> int:
         written = pwrite(fd, data, offset)
         if writing and os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
             writes.append((offset, written))
+            if threads is not None:
+                threads.append(threading.current_thread().name)
         return written
 
     def write_units(strategy: Any, stream: Any, writer: Any, *args: Any, **kwargs: Any) -> None:
@@ -76,15 +87,13 @@ def make_model(args: argparse.Namespace) -> FSDPModel:
     )
 
 
-def fit(args: argparse.Namespace, epochs: int = 2, **kwargs: Any) -> Tuple[Trainer, Any]:
+def fit(
+    args: argparse.Namespace, epochs: int = 2, async_checkpoint: bool = False, **kwargs: Any
+) -> Tuple[Trainer, Any]:
     seed_everything(5)
     model = make_model(args)
-    trainer = Trainer(
-        **quiet_trainer_kwargs(
-            args.out, args.devices, strategy=strategy(args, checkpoint_writers=args.writers), max_epochs=epochs,
-            **kwargs,
-        )
-    )
+    writers = strategy(args, checkpoint_writers=args.writers, async_checkpoint=async_checkpoint)
+    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=writers, max_epochs=epochs, **kwargs))
     trainer.fit(model)
     return trainer, model
 
@@ -104,6 +113,58 @@ def parallel_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
         result["differences"] = differences(parallel, gathered)
         result["tensors"] = len(list(iter_tensors(gathered)))
         result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    return result
+
+
+@contextmanager
+def counting_gathers(gathers: List[int]) -> Iterator[None]:
+    """Count the ``torch.distributed.gather`` calls of this rank's background writer thread in ``gathers``."""
+    gather = torch.distributed.gather
+
+    # keeps ``gather``'s signature: the strategy checks that the collectives take a ``group``
+    @functools.wraps(gather)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == WRITER_THREAD:
+            gathers.append(1)
+        return gather(*args, **kwargs)
+
+    with mock.patch.object(torch.distributed, "gather", counted):
+        yield
+
+
+def async_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
+    """With ``async_checkpoint=True``, at the end of the last epoch of ``fit``: save with ``args.writers`` in the
+    background (recording the writes, their threads and the writer thread's gathers) and wait for it, then save
+    gathered; rank 0 compares the files. ``ModelCheckpoint(save_top_k=1, save_last=True)`` saves in the background
+    every epoch around them."""
+    writes: Ranges = []
+    records: Ranges = []
+    threads: List[str] = []
+    gathers: List[int] = []
+    result: Dict[str, Any] = {"writes": writes, "records": records}
+
+    class SaveBoth(Callback):
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+            if trainer.current_epoch != trainer.max_epochs - 1:
+                return
+            with recording_writes(writes, records, threads), counting_gathers(gathers):
+                trainer.save_checkpoint(args.out / "parallel.ckpt")
+                result["in_flight"] = trainer.strategy._checkpoint_state.in_flight is not None
+                trainer.strategy.wait_for_checkpoint()
+            trainer.strategy.stream_checkpoint = False
+            trainer.save_checkpoint(args.out / "gathered.ckpt")
+            trainer.strategy.stream_checkpoint = True
+
+    folder = args.out / "model_checkpoint"
+    callbacks = [SaveBoth(), ModelCheckpoint(dirpath=str(folder), save_top_k=1, save_last=True)]
+    trainer, _ = fit(args, async_checkpoint=True, callbacks=callbacks, enable_checkpointing=True)
+    result.update(rank=trainer.global_rank, threads=sorted(set(threads)), gathers=len(gathers))
+    if trainer.global_rank == 0:
+        parallel, gathered = load(args.out / "parallel.ckpt"), load(args.out / "gathered.ckpt")
+        result["differences"] = differences(parallel, gathered)
+        result["tensors"] = len(list(iter_tensors(gathered)))
+        result["temporary_files"] = sorted(p.name for p in args.out.rglob("*.tmp"))
+        result["model_checkpoint"] = {p.name: load(p)["epoch"] for p in sorted(folder.glob("*.ckpt"))}
     return result
 
 
@@ -159,6 +220,26 @@ def fails_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
     return saves_over_it_with_faults(trainer, model, path, args.out, FAULTS, failing_on_rank_1)
 
 
+def async_fails_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
+    """``fails_while_writing`` with ``async_checkpoint=True``, inside ``fit``: each save goes to the background, where
+    rank 1's writer thread meets the fault, and ``wait_for_checkpoint`` raises it."""
+    result: Dict[str, Any] = {"in_background": []}
+
+    class SavesWithFaults(Callback):
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+            def save(path: Any) -> None:
+                trainer.save_checkpoint(path)
+                result["in_background"].append(trainer.strategy._checkpoint_state.in_flight is not None)
+                trainer.strategy.wait_for_checkpoint()
+
+            path = args.out / "last.ckpt"
+            faults = saves_over_it_with_faults(trainer, pl_module, path, args.out, FAULTS, failing_on_rank_1, save)
+            result.update(faults)
+
+    fit(args, epochs=1, async_checkpoint=True, callbacks=[SavesWithFaults()])
+    return result
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=["plain", "tied"], default="tied")
     parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
@@ -174,6 +255,8 @@ if __name__ == "__main__":
             "parallel_equals_gathered": parallel_equals_gathered,
             "resume": resume,
             "fails_while_writing": fails_while_writing,
+            "async_equals_gathered": async_equals_gathered,
+            "async_fails_while_writing": async_fails_while_writing,
         },
         add_arguments,
     )

@@ -6,7 +6,7 @@ and global rank 0 compares the two files entry by entry, every tensor and every 
 """
 import argparse
 import errno
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 from unittest import mock
 
 import torch
@@ -179,12 +179,20 @@ def fails_while_streaming(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def saves_over_it_with_faults(
-    trainer: Trainer, model: Any, path: Any, out: Any, faults: Any, inject: Callable[[Trainer, str], Any]
+    trainer: Trainer,
+    model: Any,
+    path: Any,
+    out: Any,
+    faults: Any,
+    inject: Callable[[Trainer, str], Any],
+    save: Optional[Callable[[Any], None]] = None,
 ) -> Dict[str, Any]:
     """Save ``path``; then, for each of ``faults``, change the weights and save over it inside ``inject(trainer,
     fault)``, recording what every rank raised and, on rank 0, whether the file is unchanged and which temporary
-    files are left. Then save again (``after.ckpt``), which must still work."""
-    trainer.save_checkpoint(path)
+    files are left. Then save again (``after.ckpt``), which must still work. ``save`` saves a path (default
+    ``trainer.save_checkpoint``; a save in the background also waits for it)."""
+    save = save or trainer.save_checkpoint
+    save(path)
     before = path.read_bytes() if trainer.global_rank == 0 else b""
     result: Dict[str, Any] = {"rank": trainer.global_rank}
     for fault in faults:
@@ -194,13 +202,13 @@ def saves_over_it_with_faults(
         result[f"raised-{fault}"] = None
         try:
             with inject(trainer, fault):
-                trainer.save_checkpoint(path)
+                save(path)
         except CheckpointError as ex:
             result[f"raised-{fault}"] = str(ex)
         if trainer.global_rank == 0:
             result[f"unchanged-{fault}"] = path.read_bytes() == before
             result[f"temporary_files-{fault}"] = sorted(p.name for p in out.glob("*.tmp"))
-    trainer.save_checkpoint(out / "after.ckpt")
+    save(out / "after.ckpt")
     if trainer.global_rank == 0:
         result["after_loads"] = len(load(out / "after.ckpt")["state_dict"])
     return result

@@ -228,8 +228,10 @@ def plan_host_memory(batches: ScenarioBatches) -> None:
     batch = _two(batches)
     fake = batch.folder("host_memory") / "fake"
     FakeProc(fake)
-    headrooms = [3 * HOST_MEMORY_SIZE, 4 * HOST_MEMORY_SIZE, HOST_MEMORY_SIZE]
-    batch.add("host_memory", "host_memory", "--proc", fake, "--headrooms", *headrooms)
+    size = HOST_MEMORY_SIZE
+    headrooms = [3 * size, 4 * size, size, size // 4, size // 4]
+    writers = ["rank0"] * 4 + ["all"]
+    batch.add("host_memory", "host_memory", "--proc", fake, "--headrooms", *headrooms, "--writers", *writers)
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)
@@ -238,14 +240,16 @@ def test_host_copies_that_do_not_fit_are_saved_synchronously(async_runs):
     """Both ranks in one job cgroup (fake ``/proc`` and cgroup files). Each rank copies its half of the parameters and
     of Adam's two states (1.5 x S for a model of S bytes) and global rank 0 receives a unit from each rank (0.5 x S):
     with 3 x S left in the job the save is synchronous, complete, and says why; with 4 x S it goes to the background;
-    then, its copies reused, 1 x S is enough."""
+    then, its copies reused, 1 x S is enough. With S / 4 left, the copies reused, rank 0 has no room to receive the
+    units (synchronous), but every rank writing its own copies (``checkpoint_writers="all"``) receives none."""
     size = HOST_MEMORY_SIZE
     fake = FakeProc(async_runs.folder("host_memory") / "fake", create=False)
     zero, one = async_runs.results("host_memory")
     for result in (zero, one):
-        assert [save["background"] for save in result["saves"]] == [False, True, True], result
-    assert [save["warnings"] for save in one["saves"]] == [[], [], []]
-    assert [len(save["warnings"]) for save in zero["saves"]] == [1, 0, 0], zero["saves"]
+        assert [save["background"] for save in result["saves"]] == [False, True, True, False, True], result
+    assert [save["warnings"] for save in one["saves"]] == [[]] * 5
+    assert [len(save["warnings"]) for save in zero["saves"]] == [1, 0, 0, 1, 0], zero["saves"]
+    assert f"need about {format_bytes(size // 2)}" in zero["saves"][3]["warnings"][0]
     warning = zero["saves"][0]["warnings"][0]
     assert "this checkpoint is saved synchronously (streamed, as without `async_checkpoint`)" in warning
     copies = f"6 new copies of its shards, {format_bytes(3 * size // 2)}"
@@ -256,4 +260,4 @@ def test_host_copies_that_do_not_fit_are_saved_synchronously(async_runs):
     assert f"has only {format_bytes(3 * size)} available" in warning
     # the synchronous file holds the parameters and the optimizer state, as the files saved in the background do:
     # Adam's exp_avg, exp_avg_sq and step for each of the 4 parameters
-    assert zero["complete"] and zero["optimizer_tensors"] == 12 and zero["equal"] == [True, True], zero
+    assert zero["complete"] and zero["optimizer_tensors"] == 12 and zero["equal"] == [True] * 4, zero

@@ -4,7 +4,8 @@ save's structure, then every rank writes its own shards into the same file.
 The file must be the one the gathered save writes (``stream_checkpoint=False``), tensor by tensor, with SGD momentum
 and Adam, tied weights, parameters outside FSDP, and shards that end inside tensors and inside 4 KiB blocks; the
 ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1;
-a full disk on rank 1 raises on every rank and keeps the previous file. Scenarios in
+a full disk on rank 1 raises on every rank and keeps the previous file. With ``async_checkpoint=True`` the same holds
+for saves in the background, whose writer threads write every rank's own shards and gather nothing. Scenarios in
 ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in one launch per world size.
 """
 from typing import List, Tuple
@@ -22,8 +23,16 @@ WRITERS = "all"
 BLOCK = 4096
 # model, wrapping, optimizer, width: at width 72 a weight spans several blocks and a shard ends inside it
 EQUALS = [("tied", "wrap", "sgd", 72), ("plain", "auto_wrap", "adam", 16), ("tied", "wrap", "adam", 72)]
+# saved in the background (``async_checkpoint=True``): SGD momentum and Adam, parameters inside and outside FSDP
+ASYNC_EQUALS = [EQUALS[0], EQUALS[2]]
 BATCHES = {"two": (2, 420), "one": (1, 180)}
 BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
+FAULTS = [("full_disk", "No space left on device"), ("cannot_open", "No such file")]
+#: the faults' scenarios, each with what every rank raises: saves in the foreground, and in the background
+FAULT_SCENARIOS = {
+    "fails_while_writing": "failed on global rank 1: ",
+    "async_fails_while_writing": "in the background failed on global rank 1: ",
+}
 
 
 def _case(model: str, wrapping: str, optimizer: str, width: int) -> str:
@@ -45,8 +54,11 @@ def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     saved = batches.batch("two", 2).folder(_case(*EQUALS[2])) / "parallel.ckpt"
     for name, devices in (("two", 2), ("one", 1)):
         batches.batch(name, devices).add(f"resume-2-{devices}", "resume", *_options(*EQUALS[2]), "--ckpt", saved)
+    for case in ASYNC_EQUALS:
+        batches.batch("two", 2).add(f"async-{_case(*case)}", "async_equals_gathered", *_options(*case))
     # wide enough that rank 1 owns blocks: narrower, it may only send its bytes to rank 0
-    batches.batch("two", 2).add("fails_while_writing", "fails_while_writing", "--writers", WRITERS, "--width", 72)
+    for scenario in FAULT_SCENARIOS:
+        batches.batch("two", 2).add(scenario, scenario, "--writers", WRITERS, "--width", 72)
     return batches
 
 
@@ -79,7 +91,10 @@ def test_parallel_checkpoint_equals_gathered_checkpoint(parallel_runs, model, wr
 def test_ranks_write_disjoint_blocks_covering_every_fsdp_byte(parallel_runs, model, wrapping, optimizer, width):
     """Every rank's ``pwrite``s after the structure: no block of 4 KiB is written by two ranks; together the writes
     are exactly the FSDP records, each byte once."""
-    results = parallel_runs.results(_case(model, wrapping, optimizer, width))
+    _check_disjoint_blocks_covering_every_fsdp_byte(parallel_runs.results(_case(model, wrapping, optimizer, width)))
+
+
+def _check_disjoint_blocks_covering_every_fsdp_byte(results) -> None:
     records = results[0]["records"]
     writes = [[tuple(w) for w in result["writes"]] for result in results]
     assert all(writes), "every rank writes"
@@ -87,6 +102,27 @@ def test_ranks_write_disjoint_blocks_covering_every_fsdp_byte(parallel_runs, mod
     every = [w for rank_writes in writes for w in rank_writes]
     assert _covered(every) == _covered([tuple(r) for r in records])
     assert sum(size for _, size in every) == sum(size for _, size in records)  # no byte written twice
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize(("model", "wrapping", "optimizer", "width"), ASYNC_EQUALS)
+def test_async_parallel_checkpoint_equals_gathered_checkpoint(parallel_runs, model, wrapping, optimizer, width):
+    """With ``async_checkpoint=True`` a save inside ``fit`` goes to the background, and every rank's writer thread
+    writes its own share of the file (about S / 2 each, disjoint blocks, every FSDP byte once) without gathering
+    any unit; the file equals a gathered save, and ``ModelCheckpoint``'s saves in the background keep its files."""
+    results = parallel_runs.results(f"async-{_case(model, wrapping, optimizer, width)}")
+    zero = results[0]
+    assert zero["differences"] == []
+    assert zero["tensors"] >= 20
+    assert zero["temporary_files"] == []
+    assert list(zero["model_checkpoint"].values()) == [1, 1], zero["model_checkpoint"]  # top-1 and last, epoch 1
+    for result in results:
+        assert result["in_flight"] is True, "the save was not in the background"
+        assert (result["threads"], result["gathers"]) == (["pl-async-checkpoint"], 0), result
+    _check_disjoint_blocks_covering_every_fsdp_byte(results)
+    total = sum(size for _, size in zero["records"])
+    for result in results:
+        assert 0.3 * total <= sum(size for _, size in result["writes"]) <= 0.7 * total, (result["rank"], total)
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)
@@ -98,18 +134,17 @@ def test_resume_from_parallel_checkpoint(parallel_runs, devices):
     assert rank0["tensors"] >= 20
 
 
-FAULTS = [("full_disk", "No space left on device"), ("cannot_open", "No such file")]
-
-
 @pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("scenario", list(FAULT_SCENARIOS))
 @pytest.mark.parametrize(("fault", "cause"), FAULTS)
-def test_failure_on_one_rank_keeps_the_previous_checkpoint(parallel_runs, fault, cause):
+def test_failure_on_one_rank_keeps_the_previous_checkpoint(parallel_runs, scenario, fault, cause):
     """Rank 1's ``pwrite`` fails with ENOSPC, or rank 1 cannot open the temporary file (ENOENT): every rank raises a
-    ``CheckpointError`` naming rank 1, the previous file is untouched, no temporary file is left, and the next save
-    works."""
-    results = parallel_runs.results("fails_while_writing")
+    ``CheckpointError`` naming rank 1 (in the background: at ``wait_for_checkpoint``), the previous file is
+    untouched, no temporary file is left, and the next save works."""
+    results = parallel_runs.results(scenario)
     for result in results:
-        assert "failed on global rank 1: " in (result[f"raised-{fault}"] or ""), result
+        assert all(result.get("in_background", [True])), result
+        assert FAULT_SCENARIOS[scenario] in (result[f"raised-{fault}"] or ""), result
         assert cause in result[f"raised-{fault}"]
     assert results[0][f"unchanged-{fault}"] is True
     assert results[0][f"temporary_files-{fault}"] == []

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+from functools import partial
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TYPE_CHECKING
 
 import torch
@@ -71,11 +72,18 @@ class _StateShard(NamedTuple):
     placeholder: Optional[torch.Tensor]
 
 
-class _ShardCopies(NamedTuple):
-    """This rank's copies of its shards for one save in the background, in the order of the placeholders."""
+class _BackgroundWork(NamedTuple):
+    """What this rank's thread writes in one save in the background.
 
-    units: List[_UnitShard]
-    states: List[_StateShard]
+    Args:
+        copies: this rank's host copies of its shards, handed back for the next save once this one is done.
+        write: writes them, in the thread: given the save, it runs its collectives over the save's ``group`` (its
+            ``guard`` agreeing before each), writes into its ``writer`` (global rank 0's file) or the file that
+            names, and records a failure in the guard.
+    """
+
+    copies: List[torch.Tensor]
+    write: Callable[["_BackgroundSave"], None]
 
 
 def _wait_for_checkpoint(strategy: "DDPFullyShardedStrategy") -> None:
@@ -134,16 +142,27 @@ def _write_streamed_units_in_background(
     :func:`_saves_in_background`) and the host copies fit; otherwise as a synchronous streamed save writes them."""
     if not _saves_in_background(strategy) or not _host_copies_fit(strategy, stream, writer):
         return _write_streamed_units(strategy, stream, writer)
+    _start_background_save(strategy, writer, lambda pool: _copy_shards(strategy, stream, pool))
+
+
+def _start_background_save(
+    strategy: "DDPFullyShardedStrategy",
+    writer: Optional[_StreamedCheckpointFile],
+    copy: Callable[["_HostCopies"], "_BackgroundWork"],
+) -> None:
+    """Start a save in the background on every rank or on none: every rank makes its host copies (``copy``, which
+    returns what its thread then writes), the ranks agree, and each starts its thread; the save is then in flight.
+    Collective. If a rank fails, every rank raises and the temporary file is removed."""
     guard = _new_checkpoint_guard(strategy)
     job: Optional[_BackgroundSave] = None
     try:
         with guard.catch():
-            copies = _copy_shards(strategy, stream)
+            work = copy(_host_copy_pool(strategy))
         if guard.agree():
             # collective, and it raises on every rank if it failed on any: made only once every rank has its copies
             group = _background_process_group(strategy)
             with guard.catch():
-                job = _new_background_save(strategy, writer, group, copies)
+                job = _new_background_save(strategy, writer, group, work)
         failed_ranks = guard.settle()
     except BaseException:
         _abandon_start(job, writer)
@@ -179,7 +198,7 @@ def _new_background_save(
     strategy: "DDPFullyShardedStrategy",
     writer: Optional[_StreamedCheckpointFile],
     group: Optional[Any],
-    copies: "_ShardCopies",
+    work: _BackgroundWork,
 ) -> "_BackgroundSave":
     """A started :class:`_BackgroundSave` whose thread waits for :meth:`_BackgroundSave.launch`."""
     event = None
@@ -187,7 +206,7 @@ def _new_background_save(
         # the copies to pinned host memory were queued on the current stream: the thread waits for them
         event = torch.cuda.Event()
         event.record()
-    job = _BackgroundSave(strategy, strategy._checkpoint_state.session.filepath, writer, group, copies, event)
+    job = _BackgroundSave(strategy, strategy._checkpoint_state.session.filepath, writer, group, work, event)
     job.start()
     return job
 
@@ -215,13 +234,20 @@ def _saves_in_background(strategy: "DDPFullyShardedStrategy") -> bool:
     return False
 
 
-def _copy_shards(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream) -> _ShardCopies:
-    """This rank's copies of its shards of the FSDP parameters and, unless the save is weights-only, of their
-    optimizer state, in the order the placeholders of ``stream`` were made; on global rank 0 with their places."""
-    # the copies of the previous save in the background, reused where they fit: allocating (and, on the CPU,
-    # faulting in) a shard-sized buffer per tensor costs more than the copy itself
+def _host_copy_pool(strategy: "DDPFullyShardedStrategy") -> "_HostCopies":
+    """The host copies of the previous save in the background, to be reused where they fit: allocating (and, on the
+    CPU, faulting in) a shard-sized buffer per tensor costs more than the copy itself."""
     pool = _HostCopies(strategy._checkpoint_state.host_copy_pool)
     strategy._checkpoint_state.host_copy_pool = []
+    return pool
+
+
+def _copy_shards(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, pool: "_HostCopies"
+) -> "_BackgroundWork":
+    """This rank's copies (from ``pool``) of its shards of the FSDP parameters and, unless the save is weights-only,
+    of their optimizer state, in the order the placeholders of ``stream`` were made, and the writing of them: sent to
+    global rank 0 and written there into their places (see :func:`_gather_and_write`)."""
     by_source: Dict[Tuple[int, int], List[torch.Tensor]] = {}
     for key, source in stream.model_sources.items():
         by_source.setdefault(source, []).append(stream.model[key])
@@ -238,7 +264,8 @@ def _copy_shards(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream)
     states = [
         _StateShard(pool.copy(value), numel, stream.optimizer_placeholders.get(key)) for key, value, numel in tensors
     ]
-    return _ShardCopies(units, states)
+    copies = [unit.shard for unit in units] + [state.shard for state in states]
+    return _BackgroundWork(copies, partial(_gather_and_write, units, states))
 
 
 def _defer_removal_while_in_flight(strategy: "DDPFullyShardedStrategy", filepath: _PATH) -> bool:
@@ -330,9 +357,10 @@ def _finish_checkpoint_in_flight_alone(strategy: "DDPFullyShardedStrategy") -> N
 
 
 class _BackgroundSave:
-    """One checkpoint written in the background: on every rank a thread sends this rank's shards to global rank 0,
-    unit by unit, over the strategy's background group (``_checkpoint_state.background_group``); rank 0 writes them
-    into ``writer`` and commits it if every rank succeeded.
+    """One checkpoint written in the background: on every rank a thread writes this rank's host copies (its
+    :class:`_BackgroundWork`: sent to global rank 0, unit by unit, which writes them into ``writer``; or written by
+    every rank into the file itself, see ``fsdp_parallel_save``) over the strategy's background group
+    (``_checkpoint_state.background_group``); rank 0 commits ``writer`` if every rank succeeded.
 
     The ranks agree before each gather (see :class:`~pytorch_lightning.utilities.collective_guard._CollectiveGuard`,
     over the same group), so a failure on one rank stops every rank's thread there. The outcome is this rank's
@@ -345,12 +373,13 @@ class _BackgroundSave:
         filepath: _PATH,
         writer: Optional[_StreamedCheckpointFile],
         group: Optional[Any],
-        copies: "_ShardCopies",
+        work: _BackgroundWork,
         event: Optional[Any],
     ) -> None:
-        self.writer, self.units, self.states, self.event = writer, copies.units, copies.states, event
+        self.writer, self.event = writer, event
+        self._write_copies: Optional[Callable[["_BackgroundSave"], None]] = work.write
         #: the host copies, handed back for the next save once this one is done
-        self.copies = [unit.shard for unit in copies.units] + [state.shard for state in copies.states]
+        self.copies = work.copies
         self.filepath = filepath
         self.rank, self.world_size = strategy.global_rank, strategy.world_size
         self.group = group
@@ -446,7 +475,8 @@ class _BackgroundSave:
                 # inside the block: a device error surfacing here discards the temporary file too
                 if self.event is not None:
                     self.event.synchronize()
-                self._gather_and_write()
+                assert self._write_copies is not None
+                self._write_copies(self)
                 if not guard.settle() and self.writer is not None:
                     self.writer.complete = True
             self.committed = self.writer is not None and self.writer.committed
@@ -457,22 +487,24 @@ class _BackgroundSave:
             # e.g. the group's timeout: this rank's own error, raised by ``wait_for_checkpoint`` on every rank
             self.error = ex
         finally:
-            self.units, self.states = [], []
+            # the placeholders and the plan are not needed any more; the copies are kept for the next save
+            self._write_copies = None
 
-    def _gather_and_write(self) -> None:
-        """Gather every rank's shards to global rank 0, one tensor at a time, and write each piece into its place
-        there; stops on every rank once a rank failed."""
-        pieces = [(unit.shard, unit.numel, unit.pieces) for unit in self.units]
-        # an optimizer-state tensor is flat, as FairScale consolidates it: one piece, the whole tensor
-        pieces += [(state.shard, state.numel, [(state.placeholder, 0, state.numel)]) for state in self.states]
-        for shard, numel, places in pieces:
-            shards = _gather_to_first_rank(shard, self.guard, self.group, self.world_size)
-            if shards is None:
-                return
-            if self.writer is not None:
-                with self.guard.catch():
-                    for placeholder, start, end in places:
-                        self.writer.write_shards(placeholder, shards, numel, start, end)
+
+def _gather_and_write(units: List[_UnitShard], states: List[_StateShard], job: _BackgroundSave) -> None:
+    """Gather every rank's shards to global rank 0, one tensor at a time, and write each piece into its place in
+    ``job.writer`` there; stops on every rank once a rank failed."""
+    pieces = [(unit.shard, unit.numel, unit.pieces) for unit in units]
+    # an optimizer-state tensor is flat, as FairScale consolidates it: one piece, the whole tensor
+    pieces += [(state.shard, state.numel, [(state.placeholder, 0, state.numel)]) for state in states]
+    for shard, numel, places in pieces:
+        shards = _gather_to_first_rank(shard, job.guard, job.group, job.world_size)
+        if shards is None:
+            return
+        if job.writer is not None:
+            with job.guard.catch():
+                for placeholder, start, end in places:
+                    job.writer.write_shards(placeholder, shards, numel, start, end)
 
 
 class _HostCopies:

@@ -21,7 +21,10 @@ from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckp
 
 
 def _host_copies_fit(
-    strategy: Any, stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile] = None
+    strategy: Any,
+    stream: _CheckpointStream,
+    writer: Optional[_StreamedCheckpointFile] = None,
+    gathered: bool = True,
 ) -> bool:
     """Whether the ranks have the host memory for the copies of their shards that this save in the background makes
     (see :func:`_host_copy_need`); if not, global rank 0 warns with what the ranks under the bound that is short need
@@ -31,9 +34,11 @@ def _host_copies_fit(
         strategy: the ``DDPFullyShardedStrategy`` saving.
         stream: the streamed save, whose placeholders say what is copied.
         writer: on global rank 0, the file being written, discarded if the check fails (its all-gather, say).
+        gathered: whether global rank 0 receives the units from every rank (``False``: every rank writes its own
+            copies into the file, see ``fsdp_parallel_save``).
     """
     try:
-        short = _host_memory_shortfall(strategy, *_host_copy_need(strategy, stream))
+        short = _host_memory_shortfall(strategy, *_host_copy_need(strategy, stream, gathered))
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -64,12 +69,12 @@ def _shards_to_copy(
     return flats, states
 
 
-def _host_copy_need(strategy: Any, stream: _CheckpointStream) -> Tuple[int, str]:
+def _host_copy_need(strategy: Any, stream: _CheckpointStream, gathered: bool = True) -> Tuple[int, str]:
     """The bytes of host memory this rank allocates for a save in the background, and what for: a copy of each of its
     shards of the FSDP parameters and, unless the save is weights-only, of their optimizer state (the tensors
     ``_copy_shards`` copies) that no copy of the previous save can be reused for, pinned ones as torch's pinned
-    allocator rounds them (:func:`~pytorch_lightning.utilities.host_memory.pinned_host_bytes`); on global rank 0 also
-    the largest shard once per rank, which its writer thread receives a unit into."""
+    allocator rounds them (:func:`~pytorch_lightning.utilities.host_memory.pinned_host_bytes`); on global rank 0 of a
+    ``gathered`` save also the largest shard once per rank, which its writer thread receives a unit into."""
     # imported here: fsdp_async_checkpoint imports this module
     from pytorch_lightning.strategies.fsdp_async_checkpoint import _HostCopies
 
@@ -95,7 +100,7 @@ def _host_copy_need(strategy: Any, stream: _CheckpointStream) -> Tuple[int, str]
     if pinned:
         held[0] += f" ({format_bytes(pinned)} pinned, in blocks rounded up to powers of two)"
     receive = 0
-    if strategy.global_rank == 0 and strategy.world_size > 1 and sources:
+    if gathered and strategy.global_rank == 0 and strategy.world_size > 1 and sources:
         receive = strategy.world_size * max(s.numel() * s.element_size() for s in sources)
         held.append(f"{format_bytes(receive)} to receive a unit from every rank")
     return pageable + pinned + receive, " and ".join(held)

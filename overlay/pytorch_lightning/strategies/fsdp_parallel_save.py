@@ -4,15 +4,27 @@ ranges of its own shards of the FSDP parameters and of their optimizer state str
 with ``pwrite``, from its own memory. No collective carries tensor data but the bytes of the blocks that several
 ranks' ranges touch (:func:`_block_owners`), so that no two ranks write into one block of the file.
 
+With ``async_checkpoint=True``, a save during ``fit`` copies each rank's shards to host memory, and every rank's
+background thread writes its own copies into the file (the background save's machinery, see
+:mod:`.fsdp_async_checkpoint`): no unit is gathered, and global rank 0 holds only its own copies.
+
 The hook is the checkpointer's ``save_if_streamed``, which passes :func:`_write_units_by_every_rank` to the streamed
 save where ``checkpoint_writers`` is not ``"rank0"``.
 """
 # fork-feature: fork/fsdp-parallel-save.patch
 import os
+from functools import partial
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, TYPE_CHECKING
 
 import torch
 
+from pytorch_lightning.strategies.fsdp_async_checkpoint import (
+    _BackgroundWork,
+    _HostCopies,
+    _saves_in_background,
+    _start_background_save,
+)
+from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit
 from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_introspection import (
     _flat_shard,
@@ -90,8 +102,9 @@ def _write_units_by_every_rank(
     fallback: _UnitsWriter,
 ) -> None:
     """Once global rank 0 wrote the structure into ``writer``, every rank writes its own shards into the file where
-    :func:`~.fsdp_writer_decision._decide_checkpoint_writers` says so, else ``fallback`` (the streamed save) writes
-    the units. Collective."""
+    :func:`~.fsdp_writer_decision._decide_checkpoint_writers` says so (from host copies, in its background thread,
+    where the save may go to the background and the copies fit), else ``fallback`` (the streamed save) writes the
+    units. Collective."""
     guard = _new_checkpoint_guard(strategy)
     table = None
     try:
@@ -104,6 +117,10 @@ def _write_units_by_every_rank(
         raise
     if decision is not None and decision[0] != "all":
         return fallback(strategy, stream, writer)
+    # ``table`` is ``None`` on every rank once a rank failed: then the synchronous path below raises it
+    in_background = table is not None and _saves_in_background(strategy)
+    if in_background and _host_copies_fit(strategy, stream, writer, gathered=False):
+        return _start_background_save(strategy, writer, partial(_copy_own_writes, strategy, stream, table))
     with _committed_if_complete(writer):
         if table is not None:
             _write_own_shards(strategy, stream, table, guard)
@@ -152,23 +169,61 @@ def _write_own_shards(
 ) -> None:
     """Every rank writes its own bytes of the FSDP records, and those of other ranks in the blocks it owns (sent
     over the checkpoint group), then ``fdatasync``-s and closes its descriptor. A failure is recorded in ``guard``."""
-    rank, sources, parts = strategy.global_rank, None, None
+    writes = None
     with guard.catch():
-        optimizer_shards = list(_optimizer_shards(strategy, stream))
-        sources = _own_sources(strategy, optimizer_shards)
-        extents = _extents(strategy, optimizer_shards, table)
-        parts = _split_at_blocks(extents, _block_owners(extents, _write_block_size()), _write_block_size())
+        writes = _own_writes(strategy, stream, table)
     if not guard.agree():
         return
+    group = _checkpoint_process_group(strategy)
+    _write_planned(writes, guard, group, torch.device("cpu") if group is not None else strategy.root_device)
+
+
+class _OwnWrites(NamedTuple):
+    """What global rank ``rank`` writes into the temporary file at ``path``: the ``parts`` of every rank's extents
+    with their writers (see :func:`_split_at_blocks`), and this rank's tensors they come from, by source."""
+
+    path: str
+    rank: int
+    parts: List[Tuple[int, _Extent]]
+    sources: Dict[_Source, torch.Tensor]
+
+
+def _own_writes(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable) -> _OwnWrites:
+    """This rank's :class:`_OwnWrites` of ``stream`` into the file of ``table``, from the shapes and its shards."""
+    optimizer_shards = list(_optimizer_shards(strategy, stream))
+    extents = _extents(strategy, optimizer_shards, table)
+    block = _write_block_size()
+    parts = _split_at_blocks(extents, _block_owners(extents, block), block)
+    return _OwnWrites(table.path, strategy.global_rank, parts, _own_sources(strategy, optimizer_shards))
+
+
+def _copy_own_writes(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable, pool: _HostCopies
+) -> _BackgroundWork:
+    """This rank's :class:`_OwnWrites` from host copies of its shards (from ``pool``), and their writing by its
+    background thread: the block bytes over the background group, then its own ranges."""
+    writes = _own_writes(strategy, stream, table)
+    copies = {source: pool.copy(tensor) for source, tensor in writes.sources.items()}
+    writes = writes._replace(sources=copies)
+    return _BackgroundWork(
+        list(copies.values()), lambda job: _write_planned(writes, job.guard, job.group, torch.device("cpu"))
+    )
+
+
+def _write_planned(writes: _OwnWrites, guard: _CollectiveGuard, group: Optional[Any], device: torch.device) -> None:
+    """Send the bytes of ``writes`` in blocks other ranks own to them over ``group`` (through ``device``), receive
+    theirs in the blocks this rank owns, then write this rank's parts, ``fdatasync`` and close. A failure is
+    recorded in ``guard``; the ranks agree after the exchange. Collective over ``group``."""
     received = None
     with guard.catch():
-        received = _exchange_block_bytes(strategy, parts, sources)
+        sources = {source: tensor.detach().reshape(-1).view(torch.uint8) for source, tensor in writes.sources.items()}
+        received = _exchange_block_bytes(writes.rank, writes.parts, sources, group, device)
     if not guard.agree():
         return
     with guard.catch():
-        with _RankFile(table.path) as file:
-            for owner, extent in parts:
-                if extent.rank == rank and owner == rank:
+        with _RankFile(writes.path) as file:
+            for owner, extent in writes.parts:
+                if extent.rank == writes.rank and owner == writes.rank:
                     file.write(sources[extent.source], extent.at, extent.nbytes, extent.offset)
             for offset, data in received:
                 file.write(data, 0, data.numel(), offset)
@@ -181,14 +236,15 @@ _OptimizerShard = Tuple[Tuple[Any, ...], torch.Tensor, int]
 def _own_sources(
     strategy: "DDPFullyShardedStrategy", optimizer_shards: List[_OptimizerShard]
 ) -> Dict[_Source, torch.Tensor]:
-    """This rank's flat shards (full precision) and optimizer-state shards, as flat byte tensors, by source."""
+    """This rank's flat shards (full precision) and optimizer-state shards (flattened), by source: the tensors a save
+    in the background copies (see ``_shards_to_copy``)."""
     sources = {
         ("param", i, j): _flat_shard(flat)
         for i, instance in enumerate(_fsdp_instances(strategy.lightning_module))
         for j, flat in enumerate(instance.params)
     }
-    sources.update({("optim", key): value for key, value, _ in optimizer_shards})
-    return {source: tensor.detach().reshape(-1).view(torch.uint8) for source, tensor in sources.items()}
+    sources.update({("optim", key): value.reshape(-1) for key, value, _ in optimizer_shards})
+    return sources
 
 
 def _optimizer_shards(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream) -> Iterator[_OptimizerShard]:
@@ -261,12 +317,15 @@ def _split_at_blocks(extents: List[_Extent], owners: Dict[int, int], block: int)
 
 
 def _exchange_block_bytes(
-    strategy: "DDPFullyShardedStrategy", parts: List[Tuple[int, _Extent]], sources: Dict[_Source, torch.Tensor]
+    rank: int,
+    parts: List[Tuple[int, _Extent]],
+    sources: Dict[_Source, torch.Tensor],
+    group: Optional[Any],
+    device: torch.device,
 ) -> List[Tuple[int, torch.Tensor]]:
-    """Send this rank's bytes in blocks other ranks own to them, and receive theirs in the blocks this rank owns
-    (one message per pair of ranks, its size known to both from ``parts``); returns the received bytes by offset."""
-    rank, group = strategy.global_rank, _checkpoint_process_group(strategy)
-    device = torch.device("cpu") if group is not None else strategy.root_device
+    """Send global rank ``rank``'s bytes in blocks other ranks own to them, and receive theirs in the blocks it owns
+    (one message per pair of ranks over ``group``, through ``device``, its size known to both from ``parts``);
+    returns the received bytes by offset."""
     outgoing: Dict[int, List[torch.Tensor]] = {}
     incoming: Dict[int, List[_Extent]] = {}
     for owner, extent in parts:
