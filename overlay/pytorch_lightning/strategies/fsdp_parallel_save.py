@@ -22,6 +22,7 @@ from pytorch_lightning.strategies.fsdp_introspection import (
     _shard_range,
 )
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+from pytorch_lightning.strategies.fsdp_lost_writers import _naming_lost_ranks
 from pytorch_lightning.strategies.fsdp_streaming_save import _streamed_optimizer_tensors, _UnitsWriter
 from pytorch_lightning.strategies.fsdp_writer_decision import (  # noqa: F401 (the strategy's argument check)
     _checked_checkpoint_writers,
@@ -105,9 +106,12 @@ def _write_units_by_every_rank(
     if decision is not None and decision[0] != "all":
         return fallback(strategy, stream, writer)
     with _committed_if_complete(writer):
-        if table is not None:
-            _write_own_shards(strategy, stream, table, guard)
-        if not guard.settle() and writer is not None:
+        # after a failure before the table, ``settle`` does not communicate
+        with _naming_lost_ranks(strategy, guard, None if table is None else table.path):
+            if table is not None:
+                _write_own_shards(strategy, stream, table, guard)
+            failed_ranks = guard.settle()
+        if not failed_ranks and writer is not None:
             writer.complete = True
     guard.raise_if_failed()
 
