@@ -13,9 +13,11 @@ import argparse
 import errno
 import functools
 import os
+import signal
 import threading
+import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
 import torch
@@ -25,6 +27,8 @@ from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import fsdp_streaming_save
+from pytorch_lightning.utilities.checkpoint_errors import CHECKPOINT_TIMEOUT_ENV
+from pytorch_lightning.utilities.exceptions import CheckpointError
 from fsdp_harness.models import FSDPModel
 from tests.strategies.fsdp_stream_scenarios import (
     differences,
@@ -240,6 +244,77 @@ def async_fails_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+@contextmanager
+def stopping_rank_1_in_pwrite(trainer: Trainer, out: Any, stop: Callable[[], None]) -> Iterator[None]:
+    """On global rank 1, the first ``os.pwrite`` into a temporary checkpoint file (of a shard: global rank 0 writes
+    the structure) writes half its bytes, writes the time to ``out/fault_time``, calls ``stop()`` (which kills the
+    rank, or stalls it), writes the time to ``out/resumed_time`` and writes the rest."""
+    pwrite, stopped = os.pwrite, []
+
+    def stopping(fd: int, data: Any, offset: int) -> int:
+        if stopped or not os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            return pwrite(fd, data, offset)
+        stopped.append(1)
+        view = memoryview(data).cast("B")
+        half = pwrite(fd, view[: len(view) // 2], offset)
+        (out / "fault_time").write_text(repr(time.time()))
+        stop()
+        (out / "resumed_time").write_text(repr(time.time()))
+        return half + pwrite(fd, view[half:], offset + half)
+
+    with mock.patch.object(os, "pwrite", stopping) if trainer.global_rank == 1 else mock.patch.dict({}):
+        yield
+
+
+def saves_over_it_with_rank_1_stopped(
+    args: argparse.Namespace, stop: Callable[[], None]
+) -> Tuple[Dict[str, Any], Trainer, Any]:
+    """Fit and save ``last.ckpt``; change the weights and save over it while rank 1 is stopped in its ``pwrite``
+    (see :func:`stopping_rank_1_in_pwrite`); the record: what this rank raised and when, and on rank 0 whether the
+    file is unchanged and which temporary files are left."""
+    trainer, model = fit(args, epochs=1)
+    path = args.out / "last.ckpt"
+    trainer.save_checkpoint(path)
+    before = path.read_bytes() if trainer.global_rank == 0 else b""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": None}
+    with stopping_rank_1_in_pwrite(trainer, args.out, stop):
+        try:
+            trainer.save_checkpoint(path)
+        except CheckpointError as ex:
+            result["raised"] = str(ex)
+    result["raised_time"] = time.time()
+    if trainer.global_rank == 0:
+        result["unchanged"] = path.read_bytes() == before
+        result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    return result, trainer, model
+
+
+def killed_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
+    """Rank 1 is killed (SIGKILL) in its ``pwrite`` of a shard into the temporary file of a save over a previous
+    checkpoint; rank 0 goes on alone and records what it raised."""
+    result, _, _ = saves_over_it_with_rank_1_stopped(args, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    return result
+
+
+def slow_writer(args: argparse.Namespace) -> Dict[str, Any]:
+    """With ``PL_CHECKPOINT_TIMEOUT`` set to ``--timeout`` seconds for this scenario (read when ``fit`` sets up its
+    checkpoint group), rank 1 stalls in its ``pwrite`` of a shard for ``--stall`` seconds; then the ranks validate
+    (a new ``Trainer`` stage, which replaces the checkpoint group the failure closed) and save again."""
+    os.environ[CHECKPOINT_TIMEOUT_ENV] = str(args.timeout)
+    try:
+        result, trainer, model = saves_over_it_with_rank_1_stopped(args, lambda: time.sleep(args.stall))
+    finally:
+        del os.environ[CHECKPOINT_TIMEOUT_ENV]
+    trainer.validate(model, verbose=False)
+    trainer.save_checkpoint(args.out / "after.ckpt")
+    if trainer.global_rank == 0:
+        result["after_loads"] = len(load(args.out / "after.ckpt")["state_dict"])
+    return result
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=["plain", "tied"], default="tied")
     parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
@@ -247,6 +322,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--writers", choices=["rank0", "all"], default="all")
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--timeout", type=float, default=2.0, help="PL_CHECKPOINT_TIMEOUT of slow_writer")
+    parser.add_argument("--stall", type=float, default=5.0, help="seconds rank 1 stalls in slow_writer")
 
 
 if __name__ == "__main__":
@@ -257,6 +334,8 @@ if __name__ == "__main__":
             "fails_while_writing": fails_while_writing,
             "async_equals_gathered": async_equals_gathered,
             "async_fails_while_writing": async_fails_while_writing,
+            "killed_while_writing": killed_while_writing,
+            "slow_writer": slow_writer,
         },
         add_arguments,
     )

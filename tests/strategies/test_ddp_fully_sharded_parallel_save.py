@@ -4,16 +4,20 @@ save's structure, then every rank writes its own shards into the same file.
 The file must be the one the gathered save writes (``stream_checkpoint=False``), tensor by tensor, with SGD momentum
 and Adam, tied weights, parameters outside FSDP, and shards that end inside tensors and inside 4 KiB blocks; the
 ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1;
-a full disk on rank 1 raises on every rank and keeps the previous file. With ``async_checkpoint=True`` the same holds
-for saves in the background, whose writer threads write every rank's own shards and gather nothing. Scenarios in
-``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in one launch per world size.
+a full disk on rank 1 raises on every rank and keeps the previous file, and so do a rank 1 that stalls in its writes
+past ``PL_CHECKPOINT_TIMEOUT`` and one killed in them. With ``async_checkpoint=True`` saves in the background write
+every rank's own shards from their writer threads and gather nothing; a full disk there raises as above. Scenarios
+in ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in one launch per world
+size, and one for the killed rank.
 """
+import json
+from pathlib import Path
 from typing import List, Tuple
 from unittest import mock
 
 import pytest
 
-from fsdp_harness.runner import ScenarioBatches
+from fsdp_harness.runner import launch, ScenarioBatches
 from pytorch_lightning.strategies.fsdp_parallel_save import _checked_checkpoint_writers
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from tests.helpers.runif import RunIf
@@ -33,6 +37,8 @@ FAULT_SCENARIOS = {
     "fails_while_writing": "failed on global rank 1: ",
     "async_fails_while_writing": "in the background failed on global rank 1: ",
 }
+#: ``PL_CHECKPOINT_TIMEOUT`` of the slow rank's case, and how long rank 1 stalls in a write there
+SLOW_TIMEOUT, SLOW_STALL = 2, 5
 
 
 def _case(model: str, wrapping: str, optimizer: str, width: int) -> str:
@@ -59,6 +65,8 @@ def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     # wide enough that rank 1 owns blocks: narrower, it may only send its bytes to rank 0
     for scenario in FAULT_SCENARIOS:
         batches.batch("two", 2).add(scenario, scenario, "--writers", WRITERS, "--width", 72)
+    slow = ["--timeout", SLOW_TIMEOUT, "--stall", SLOW_STALL]
+    batches.batch("two", 2).add("slow_writer", "slow_writer", "--writers", WRITERS, "--width", 72, *slow)
     return batches
 
 
@@ -149,6 +157,48 @@ def test_failure_on_one_rank_keeps_the_previous_checkpoint(parallel_runs, scenar
     assert results[0][f"unchanged-{fault}"] is True
     assert results[0][f"temporary_files-{fault}"] == []
     assert results[0]["after_loads"] >= 8
+
+
+def _fault_time(out: Path, name: str = "fault_time") -> float:
+    return float((out / name).read_text())
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_slow_rank_fails_the_save_within_the_checkpoint_timeout(parallel_runs):
+    """Rank 1 stalls in its ``pwrite`` of a shard longer than ``PL_CHECKPOINT_TIMEOUT`` (2 s here): rank 0 raises a
+    ``CheckpointError`` naming rank 1 about that long after, not after gloo's or NCCL's default timeout and without
+    waiting for rank 1; rank 1 raises the same as soon as its write returns; the previous file is untouched, no
+    temporary file is left, and after a new ``Trainer`` stage the next save works."""
+    rank0, rank1 = parallel_runs.results("slow_writer")
+    out = parallel_runs.folder("slow_writer")
+    stalled, resumed = _fault_time(out), _fault_time(out, "resumed_time")
+    for result in (rank0, rank1):
+        assert "failed on global rank 1: it did not reach the ranks' next exchange" in (result["raised"] or ""), result
+        assert f"`PL_CHECKPOINT_TIMEOUT` ({SLOW_TIMEOUT} s)" in result["raised"]
+    assert rank0["raised_time"] < resumed, "rank 0 waited for rank 1"
+    assert rank0["raised_time"] - stalled < SLOW_TIMEOUT + 4
+    assert rank1["raised_time"] - resumed < SLOW_TIMEOUT, "rank 1 waited for another timeout"
+    assert rank0["unchanged"] is True and rank0["temporary_files"] == []
+    assert rank0["after_loads"] >= 8
+
+
+@pytest.mark.timeout(240)
+def test_rank_killed_while_writing_its_shards(tmp_path):
+    """Rank 1 is killed (SIGKILL) in its ``pwrite`` of a shard of a save over a previous checkpoint: rank 0 raises a
+    ``CheckpointError`` naming rank 1 within seconds (gloo sees the closed connection; ``PL_CHECKPOINT_TIMEOUT`` is
+    30 s here), the previous file is untouched, and rank 0 removes the temporary file."""
+    result = launch(
+        SCENARIOS, "killed_while_writing", tmp_path, "--writers", WRITERS, "--width", 72,
+        timeout=180, env={"PL_CHECKPOINT_TIMEOUT": "30"},
+    )
+    assert not result.timed_out, result.output[-8000:]
+    assert result.returncode == 0, f"rank 0 did not finish:\n{result.output[-8000:]}"
+    assert not (tmp_path / "rank1.json").exists(), "rank 1 was not killed"
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert "failed on global rank 1: it did not reach the ranks' next exchange" in (rank0["raised"] or ""), rank0
+    assert rank0["raised_time"] - _fault_time(tmp_path) < 10
+    assert rank0["unchanged"] is True
+    assert rank0["temporary_files"] == [] and not list(tmp_path.glob("*.tmp"))
 
 
 def test_checkpoint_writers_is_checked():

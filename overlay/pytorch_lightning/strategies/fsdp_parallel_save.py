@@ -34,6 +34,7 @@ from pytorch_lightning.strategies.fsdp_introspection import (
     _shard_range,
 )
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+from pytorch_lightning.strategies.fsdp_lost_writers import _naming_lost_ranks
 from pytorch_lightning.strategies.fsdp_streaming_save import _streamed_optimizer_tensors, _UnitsWriter
 from pytorch_lightning.strategies.fsdp_writer_decision import (  # noqa: F401 (the strategy's argument check)
     _checked_checkpoint_writers,
@@ -122,9 +123,12 @@ def _write_units_by_every_rank(
     if in_background and _host_copies_fit(strategy, stream, writer, gathered=False):
         return _start_background_save(strategy, writer, partial(_copy_own_writes, strategy, stream, table))
     with _committed_if_complete(writer):
-        if table is not None:
-            _write_own_shards(strategy, stream, table, guard)
-        if not guard.settle() and writer is not None:
+        # after a failure before the table, ``settle`` does not communicate
+        with _naming_lost_ranks(strategy, guard, None if table is None else table.path):
+            if table is not None:
+                _write_own_shards(strategy, stream, table, guard)
+            failed_ranks = guard.settle()
+        if not failed_ranks and writer is not None:
             writer.complete = True
     guard.raise_if_failed()
 

@@ -40,6 +40,22 @@ class _PeerFailed(RuntimeError):
         self.failed_ranks = list(failed_ranks)
 
 
+class _PeerLost(RuntimeError):
+    """Raised on a rank whose exchange with the other ranks itself failed: gloo saw a closed connection (a rank
+    died) or timed out (a rank slower than ``PL_CHECKPOINT_TIMEOUT``), once the rank named the ranks that did not
+    arrive (see :mod:`~pytorch_lightning.strategies.fsdp_lost_writers`). Its group is closed, so
+    ``Trainer.save_checkpoint`` raises it as a ``CheckpointError`` on each rank without another exchange.
+
+    Args:
+        lost_ranks: the global ranks that did not arrive (empty where they could not be told).
+        cause: what happened to them, for the message.
+    """
+
+    def __init__(self, lost_ranks: List[int], cause: str) -> None:
+        super().__init__(cause)
+        self.lost_ranks = list(lost_ranks)
+
+
 class _CollectiveGuard:
     """Records this rank's first error in a sequence of collective steps (:meth:`catch`, :meth:`record`), and lets
     the ranks agree before each collective whether all of them can take part (:meth:`agree`).
@@ -60,6 +76,8 @@ class _CollectiveGuard:
         self.error: Optional[Exception] = None
         #: the global ranks that failed, once an agreement saw a failure
         self.failed_ranks: List[int] = []
+        #: called before each exchange, e.g. to mark this rank's arrival where the others can see it without one
+        self.before_exchange: Optional[Callable[[], None]] = None
 
     @property
     def failed(self) -> bool:
@@ -94,7 +112,7 @@ class _CollectiveGuard:
             return False
         if not AGREE_BEFORE_COLLECTIVES:
             return not self.failed
-        self.failed_ranks = self._exchange(self.failed)
+        self.failed_ranks = self._exchanged()
         return not self.failed_ranks
 
     def before_collective(self) -> None:
@@ -110,8 +128,13 @@ class _CollectiveGuard:
         """The global ranks on which the sequence failed, on every rank: one last agreement, unless one already saw
         a failure. Collective then."""
         if not self.failed_ranks:
-            self.failed_ranks = self._exchange(self.failed)
+            self.failed_ranks = self._exchanged()
         return self.failed_ranks
+
+    def _exchanged(self) -> List[int]:
+        if self.before_exchange is not None:
+            self.before_exchange()
+        return self._exchange(self.failed)
 
     def error_to_raise(self) -> Optional[Exception]:
         """This rank's own error, or a :class:`_PeerFailed` where only other ranks failed, or ``None``."""

@@ -20,7 +20,7 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _flagged_ranks,
     FINAL_EXCHANGE_FLAG,
 )
-from pytorch_lightning.utilities.collective_guard import _PeerFailed
+from pytorch_lightning.utilities.collective_guard import _PeerFailed, _PeerLost
 from pytorch_lightning.utilities.distributed import distributed_available
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from pytorch_lightning.utilities.types import _PATH
@@ -142,6 +142,9 @@ def _raise_on_every_rank_if_any_failed(
     unchanged, after the other ranks have been told.
     """
     suffix = f" {hint}" if hint else ""
+    if isinstance(error, _PeerLost):
+        # the exchange itself failed and the group is closed: the error already names the lost ranks
+        raise _checkpoint_error_type(RuntimeError)(f"{action} failed{_lost_ranks(error)}.{suffix}") from error
     if not collective or not distributed_available() or trainer.world_size < 2:
         if isinstance(error, MisconfigurationException):
             raise error
@@ -162,6 +165,13 @@ def _raise_on_every_rank_if_any_failed(
         raise error
     cause = None if stopped else error
     raise _error_of_first_failed_rank(trainer, cause, failed_ranks, action, suffix) from cause
+
+
+def _lost_ranks(lost: _PeerLost) -> str:
+    ranks = lost.lost_ranks
+    if not ranks:
+        return f": {lost}"
+    return f" on global rank{'s' if len(ranks) > 1 else ''} {ranks[0] if len(ranks) == 1 else ranks}: {lost}"
 
 
 def _final_failed_ranks(strategy: "pl.strategies.Strategy", failed: bool) -> List[int]:
