@@ -85,11 +85,14 @@ def decide(args: argparse.Namespace) -> Dict[str, Any]:
         psutil.PROCFS_PATH = procfs
         logger.removeHandler(lines)
     strategy.barrier()  # global rank 0 has removed the probe file before any rank lists the directory
+    left = sorted(os.listdir(args.dir))
+    # and no rank writes the next case's probe file into it before every rank has listed it
+    strategy.barrier()
     return {
         "rank": strategy.global_rank,
         "decisions": decisions,
         "info": [line for line in lines.lines if "checkpoint_writers" in line],
-        "left": sorted(os.listdir(args.dir)),
+        "left": left,
     }
 
 
