@@ -13,6 +13,7 @@ from pytorch_lightning.plugins.environments import LightningEnvironment
 from pytorch_lightning.strategies import DDPFullyShardedStrategy, StrategyRegistry
 from pytorch_lightning.utilities.cloud_io import load as pl_load
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from tests.helpers import BoringModel
 from tests.helpers.runif import RunIf
 
@@ -20,6 +21,15 @@ if torch.distributed.is_available():
     from fairscale.nn import auto_wrap, wrap
     from fairscale.nn.data_parallel import FullyShardedDataParallel
     from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
+
+
+@pytest.fixture(autouse=True)
+def _restore_rank_zero_only():
+    # ``LightningEnvironment.set_global_rank`` sets the process-wide ``rank_zero_only.rank``: a test of rank 1 must
+    # not silence the ``rank_zero_*`` calls of the tests that run after it in the same process
+    rank = rank_zero_only.rank
+    yield
+    rank_zero_only.rank = rank
 
 
 def _strategy_on_rank(global_rank: int, **kwargs) -> DDPFullyShardedStrategy:
