@@ -58,6 +58,7 @@ from pytorch_lightning.strategies.fsdp_stream_decision import (
     _streamed_model_state_dict,
 )
 from pytorch_lightning.strategies.fsdp_streaming_save import _save_checkpoint_if_streamed, _UnitsWriter
+from pytorch_lightning.utilities.checkpoint_errors import _distributed_run
 from pytorch_lightning.utilities.types import _PATH
 
 if TYPE_CHECKING:
@@ -138,8 +139,10 @@ class _FSDPCheckpointer:
 
     def _units_writer(self) -> _UnitsWriter:
         """What writes a streamed save's units: global rank 0 (in the background where it may), or every rank its
-        own shards (``checkpoint_writers``, see :mod:`.fsdp_parallel_save`)."""
-        if self._strategy.checkpoint_writers == "rank0":
+        own shards (``checkpoint_writers``, see :mod:`.fsdp_parallel_save`). A single process with ``"auto"`` writes
+        as before: nothing to probe, and no other writer to share the file with."""
+        writers = self._strategy.checkpoint_writers
+        if writers == "rank0" or (writers == "auto" and not _distributed_run(self._strategy.world_size)):
             return _write_streamed_units_in_background
         return partial(_write_units_by_every_rank, fallback=_write_streamed_units_in_background)
 
