@@ -17,7 +17,8 @@ overrides the run's ``--optimizer`` for that configuration.
 
 ``stream_checkpoint`` is passed explicitly to every fork-build configuration, so each one measures the save path its
 name says whatever the strategy's default is; with ``True`` the worker also checks the streamed file against a
-gathered save (:attr:`BenchConfig.streams`).
+gathered save (:attr:`BenchConfig.streams`). For the same reason the streamed and async configurations pin
+``checkpoint_writers="rank0"`` (the default is ``"auto"``, which lets every rank write on a shared directory).
 
 ``scenario`` names the worker scenario that runs a configuration: ``save_and_resume`` runs Lightning's Trainer (its
 launcher starts ranks >= 1); ``dcp_save_and_resume`` is the torch DCP peer (:mod:`fsdp_benchmarks.dcp_peer`, torch
@@ -85,14 +86,17 @@ def _resolve(qualified_name: str) -> Any:
 
 _UPSTREAM_IO = "fsdp_benchmarks.upstream_io:UpstreamCheckpointIO"
 _GATHERED = {"stream_checkpoint": False}
-_STREAMED = {"stream_checkpoint": True}
+_STREAMED = {"stream_checkpoint": True, "checkpoint_writers": "rank0"}
 _PURE_1_6_5 = (
     "pure 1.6.5 (compat patches only): full state dict on every rank; optimizer state is rank 0's shard only"
     " — incomplete checkpoint"
 )
 _FORK_GATHERED = "the fork, gathered save: full state on rank 0, then streamed to disk (stream_checkpoint=False)"
-_FORK_STREAMED = "the fork's default: rank 0 writes the file while gathering unit by unit (stream_checkpoint=True)"
-_ASYNC = {"stream_checkpoint": True, "async_checkpoint": True}
+_FORK_STREAMED = (
+    "the streamed save: rank 0 writes the file while gathering unit by unit (stream_checkpoint=True,"
+    " checkpoint_writers='rank0')"
+)
+_ASYNC = {**_STREAMED, "async_checkpoint": True}
 _FORK_ASYNC = (
     "the streamed save in the background (async_checkpoint=True): training waits while each rank copies its shards to"
     " host memory, then every rank's thread sends them to rank 0, which writes the file; measured inside fit"

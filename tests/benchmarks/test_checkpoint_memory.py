@@ -86,7 +86,8 @@ def _check_lightning_run(run):
         # checkpoint_writers="all": one file, and every rank writes its own shards of it (rank 0 also the structure)
         assert all(w > 0 for w in written) and file_bytes <= sum(written) <= file_bytes * 1.05, written
     else:
-        # one writer: rank 0 writes the whole file once, the other ranks nothing
+        # one writer: rank 0 writes the whole file once, the other ranks nothing (the streamed configurations pin
+        # checkpoint_writers="rank0", and a gathered save is rank 0's whatever checkpoint_writers says)
         assert file_bytes <= written[0] <= file_bytes * 1.05 and written[1:] == [0] * (len(written) - 1), written
 
 
