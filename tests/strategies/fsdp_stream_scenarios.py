@@ -65,6 +65,8 @@ class ReadsStateOnSave(FSDPModel):
 
 
 def strategy(args: argparse.Namespace, **kwargs: Any) -> CPUFullyShardedStrategy:
+    # these scenarios are about global rank 0 writing the streamed file alone; the parallel save has its own
+    kwargs.setdefault("checkpoint_writers", "rank0")
     return CPUFullyShardedStrategy(min_num_params=100, **kwargs)
 
 
