@@ -192,7 +192,9 @@ def _model(**kwargs: Any) -> FSDPModel:
 
 
 def _fitted(args: argparse.Namespace, model: FSDPModel, **strategy_kwargs: Any) -> Tuple[Trainer, Path]:
-    trainer = _trainer(args, CPUFullyShardedStrategy(**strategy_kwargs))
+    # the faults are in the gathers and rank 0's writes of a save that global rank 0 writes alone; every rank writing
+    # its own shards (the default ``"auto"`` on one host) gathers no unit
+    trainer = _trainer(args, CPUFullyShardedStrategy(**{"checkpoint_writers": "rank0", **strategy_kwargs}))
     trainer.fit(model)
     path = args.out / "ckpts" / "model.ckpt"
     path.parent.mkdir(exist_ok=True)
