@@ -84,9 +84,16 @@ def _no_space(*args: Any) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def _strategy(async_checkpoint: bool = True) -> CPUFullyShardedStrategy:
+    """These scenarios are about the background save that global rank 0 writes alone (its writer thread's faults,
+    its slowed writes), so they pin ``checkpoint_writers="rank0"``: the default ``"auto"`` lets every rank write
+    its own copies on one host (``test_ddp_fully_sharded_parallel_save.py`` tests that)."""
+    return CPUFullyShardedStrategy(async_checkpoint=async_checkpoint, checkpoint_writers="rank0")
+
+
 def _trainer(args: argparse.Namespace, **kwargs: Any) -> Trainer:
     defaults = dict(
-        strategy=CPUFullyShardedStrategy(async_checkpoint=True),
+        strategy=_strategy(),
         max_epochs=2,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -342,7 +349,7 @@ def _fixed_name_saves(args: argparse.Namespace, async_checkpoint: bool) -> Dict[
     logger = CheckpointFilesLogger()
     trainer = _trainer(
         args,
-        strategy=CPUFullyShardedStrategy(async_checkpoint=async_checkpoint),
+        strategy=_strategy(async_checkpoint),
         max_epochs=1,
         callbacks=[checkpoint],
         enable_checkpointing=True,

@@ -4,7 +4,8 @@ run as ``python -m tests.strategies.fsdp_parallel_save_scenarios``; driven by
 
 Every rank's ``os.pwrite`` calls into the temporary file are recorded while the ranks write their shards, and global
 rank 0 records the byte ranges of the file's FSDP records, so that the test can check that the ranks' blocks are
-disjoint and cover every FSDP byte. ``--writers rank0`` runs the same scenarios with today's writer.
+disjoint and cover every FSDP byte. ``--writers rank0`` runs the same scenarios with today's writer, and
+``--writers default`` with the strategy's default (``default_writers`` records who wrote).
 
 ``async_equals_gathered`` and ``async_fails_while_writing`` do the same with ``async_checkpoint=True``, saving inside
 ``fit``: the writes then come from the ranks' background threads, which also count their gathers.
@@ -12,6 +13,7 @@ disjoint and cover every FSDP byte. ``--writers rank0`` runs the same scenarios 
 import argparse
 import errno
 import functools
+import logging
 import os
 import signal
 import threading
@@ -26,11 +28,12 @@ from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.strategies import fsdp_streaming_save
+from pytorch_lightning.strategies import fsdp_checkpointer, fsdp_streaming_save, fsdp_writer_decision
 from pytorch_lightning.utilities.checkpoint_errors import CHECKPOINT_TIMEOUT_ENV
 from pytorch_lightning.utilities.exceptions import CheckpointError
 from fsdp_harness.models import FSDPModel
 from tests.strategies.fsdp_stream_scenarios import (
+    default_strategy,
     differences,
     load,
     saves_over_it_with_faults,
@@ -38,6 +41,7 @@ from tests.strategies.fsdp_stream_scenarios import (
     TiedFSDPModel,
 )
 from tests.strategies.fsdp_async_scenarios import WRITER_THREAD
+from tests.strategies.fsdp_writer_decision_scenarios import LogLines
 
 #: byte ranges written into ``*.tmp`` files while the ranks write their shards, and the FSDP records' ranges
 Ranges = List[Tuple[int, int]]
@@ -96,7 +100,10 @@ def fit(
 ) -> Tuple[Trainer, Any]:
     seed_everything(5)
     model = make_model(args)
-    writers = strategy(args, checkpoint_writers=args.writers, async_checkpoint=async_checkpoint)
+    if args.writers == "default":
+        writers = default_strategy(async_checkpoint=async_checkpoint)
+    else:
+        writers = strategy(args, checkpoint_writers=args.writers, async_checkpoint=async_checkpoint)
     trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=writers, max_epochs=epochs, **kwargs))
     trainer.fit(model)
     return trainer, model
@@ -112,11 +119,49 @@ def parallel_equals_gathered(args: argparse.Namespace) -> Dict[str, Any]:
     trainer.strategy.stream_checkpoint = False
     trainer.save_checkpoint(args.out / "gathered.ckpt")
     result: Dict[str, Any] = {"rank": trainer.global_rank, "writes": writes, "records": records}
+    result["checkpoint_writers"] = trainer.strategy.checkpoint_writers
     if trainer.global_rank == 0:
         parallel, gathered = load(args.out / "parallel.ckpt"), load(args.out / "gathered.ckpt")
         result["differences"] = differences(parallel, gathered)
         result["tensors"] = len(list(iter_tensors(gathered)))
         result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+    return result
+
+
+@contextmanager
+def counting_calls(owner: Any, name: str, calls: List[int]) -> Iterator[None]:
+    """Count the calls of ``owner.<name>`` in ``calls``, calling through."""
+    original = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    with mock.patch.object(owner, name, counted):
+        yield
+
+
+def default_writers(args: argparse.Namespace) -> Dict[str, Any]:
+    """``parallel_equals_gathered`` with the strategy's default ``checkpoint_writers``, recording whether every rank
+    wrote its own shards (the parallel writer ran), how many probe files global rank 0 wrote, and the info lines
+    about ``checkpoint_writers``."""
+    parallel_writer: List[int] = []
+    probes: List[int] = []
+    lines = LogLines()
+    logger = logging.getLogger("pytorch_lightning")
+    logger.addHandler(lines)
+    try:
+        with counting_calls(fsdp_checkpointer, "_write_units_by_every_rank", parallel_writer), counting_calls(
+            fsdp_writer_decision, "_write_probe", probes
+        ):
+            result = parallel_equals_gathered(args)
+    finally:
+        logger.removeHandler(lines)
+    result.update(
+        parallel_writer=len(parallel_writer),
+        probes=len(probes),
+        info=[line for line in lines.lines if "checkpoint_writers" in line],
+    )
     return result
 
 
@@ -320,7 +365,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--writers", choices=["rank0", "all"], default="all")
+    parser.add_argument("--writers", choices=["rank0", "all", "default"], default="all")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--timeout", type=float, default=2.0, help="PL_CHECKPOINT_TIMEOUT of slow_writer")
     parser.add_argument("--stall", type=float, default=5.0, help="seconds rank 1 stalls in slow_writer")
@@ -330,6 +375,7 @@ if __name__ == "__main__":
     main(
         {
             "parallel_equals_gathered": parallel_equals_gathered,
+            "default_writers": default_writers,
             "resume": resume,
             "fails_while_writing": fails_while_writing,
             "async_equals_gathered": async_equals_gathered,

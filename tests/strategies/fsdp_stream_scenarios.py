@@ -65,8 +65,13 @@ class ReadsStateOnSave(FSDPModel):
 
 
 def strategy(args: argparse.Namespace, **kwargs: Any) -> CPUFullyShardedStrategy:
-    # these scenarios are about global rank 0 writing the streamed file alone; the parallel save has its own
-    kwargs.setdefault("checkpoint_writers", "rank0")
+    """The scenarios' strategy: they are about global rank 0 writing the streamed file alone, so it pins
+    ``checkpoint_writers="rank0"`` unless ``kwargs`` says otherwise (the parallel save's scenarios do)."""
+    return default_strategy(**{"checkpoint_writers": "rank0", **kwargs})
+
+
+def default_strategy(**kwargs: Any) -> CPUFullyShardedStrategy:
+    """The scenarios' strategy with the defaults of every argument but ``kwargs``."""
     return CPUFullyShardedStrategy(min_num_params=100, **kwargs)
 
 

@@ -50,7 +50,7 @@ def _strategy(args: argparse.Namespace) -> CPUFullyShardedStrategy:
     return _TRAINER.strategy
 
 
-class _Lines(logging.Handler):
+class LogLines(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.lines: List[str] = []
@@ -74,7 +74,7 @@ def decide(args: argparse.Namespace) -> Dict[str, Any]:
         _NODE_LOCAL.add(args.dir)
     fake_mounts = args.fake_mounts and strategy.global_rank == 1
     procfs = psutil.PROCFS_PATH
-    lines = _Lines()
+    lines = LogLines()
     logger = logging.getLogger("pytorch_lightning")
     logger.addHandler(lines)
     try:

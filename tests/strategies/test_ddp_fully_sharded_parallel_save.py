@@ -6,7 +6,8 @@ and Adam, tied weights, parameters outside FSDP, and shards that end inside tens
 ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1;
 a full disk on rank 1 raises on every rank and keeps the previous file, and so do a rank 1 that stalls in its writes
 past ``PL_CHECKPOINT_TIMEOUT`` and one killed in them. With ``async_checkpoint=True`` saves in the background write
-every rank's own shards from their writer threads and gather nothing; a full disk there raises as above. Scenarios
+every rank's own shards from their writer threads and gather nothing; a full disk there raises as above. The
+default (``"auto"``) writes as ``"all"`` on 2 ranks sharing the directory and as ``"rank0"`` in one process. Scenarios
 in ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in one launch per world
 size, and one for the killed rank.
 """
@@ -60,6 +61,10 @@ def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     saved = batches.batch("two", 2).folder(_case(*EQUALS[2])) / "parallel.ckpt"
     for name, devices in (("two", 2), ("one", 1)):
         batches.batch(name, devices).add(f"resume-2-{devices}", "resume", *_options(*EQUALS[2]), "--ckpt", saved)
+    # the strategy's default checkpoint_writers, on a directory every rank shares, and in a single process
+    default = ["--model", "tied", "--width", "72", "--writers", "default"]
+    for name, devices in (("two", 2), ("one", 1)):
+        batches.batch(name, devices).add(f"default-{devices}", "default_writers", *default)
     for case in ASYNC_EQUALS:
         batches.batch("two", 2).add(f"async-{_case(*case)}", "async_equals_gathered", *_options(*case))
     # wide enough that rank 1 owns blocks: narrower, it may only send its bytes to rank 0
@@ -140,6 +145,25 @@ def test_resume_from_parallel_checkpoint(parallel_runs, devices):
     rank0 = parallel_runs.results(f"resume-2-{devices}")[0]
     assert rank0["differences"] == []
     assert rank0["tensors"] >= 20
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("devices", [2, 1])
+def test_default_writers(parallel_runs, devices):
+    """The default is ``checkpoint_writers="auto"``: on 2 ranks sharing the directory, global rank 0 writes one probe
+    file and every rank its own shards, silently; a single process writes as ``"rank0"`` does, with no probe. The
+    file equals a gathered save either way."""
+    results = parallel_runs.results(f"default-{devices}")
+    assert results[0]["differences"] == [] and results[0]["tensors"] >= 20
+    assert results[0]["temporary_files"] == []
+    for result in results:
+        assert result["checkpoint_writers"] == "auto" and result["info"] == [], result
+    writers = [(result["parallel_writer"], result["probes"]) for result in results]
+    if devices == 2:
+        assert writers == [(1, 1), (1, 0)], writers
+        _check_disjoint_blocks_covering_every_fsdp_byte(results)
+    else:
+        assert writers == [(0, 0)], writers
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)
