@@ -164,7 +164,8 @@ def test_rank0_and_a_single_process_probe_nothing(tmp_path):
         _decide_checkpoint_writers(two, missing, "every")
     with pytest.raises(MisconfigurationException, match="must be one of 'auto', 'all', 'rank0', got True"):
         DDPFullyShardedStrategy(checkpoint_writers=True)
-    assert DDPFullyShardedStrategy().checkpoint_writers == "rank0"
+    # the default since issue 29 (point 3); one process with it writes as "rank0" (see the parallel-save tests)
+    assert DDPFullyShardedStrategy().checkpoint_writers == "auto"
 
 
 def test_probe_file_of_a_killed_writer_is_removed(tmp_path):
