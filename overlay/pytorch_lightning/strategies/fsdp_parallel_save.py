@@ -9,7 +9,7 @@ background thread writes its own copies into the file (the background save's mac
 :mod:`.fsdp_async_checkpoint`): no unit is gathered, and global rank 0 holds only its own copies.
 
 The hook is the checkpointer's ``save_if_streamed``, which passes :func:`_write_units_by_every_rank` to the streamed
-save where ``checkpoint_writers`` is not ``"rank0"``.
+save where ``checkpoint_writers`` is ``"all"``, or ``"auto"`` (the default) with more than one process.
 """
 # fork-feature: fork/fsdp-parallel-save.patch
 import os
