@@ -34,7 +34,7 @@ STREAMED = {
     "fork-stream", "fork-stream-adam", "fork-stream-consolidated", "fork-stream-adam-consolidated",
     "fork-stream-no-agreement",
 }
-PARALLEL = {"fork-parallel", "fork-parallel-adam"}
+PARALLEL = {"fork-parallel", "fork-parallel-adam", "fork-parallel-async"}
 DCP = {"dcp-fsdp2", "dcp-fsdp2-adam"}
 RUN_KEYS = {
     "config", "world_size", "state_dict_mb", "ranks", "node_save_peak_extra_anon_file_mb", "node_save_peak_extra_mb",
