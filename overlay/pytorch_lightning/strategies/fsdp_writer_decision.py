@@ -102,7 +102,9 @@ def _setup_refusal(strategy: Any) -> Optional[str]:
         if instance.world_size != strategy.world_size:
             return f"FSDP shards over a process group of {instance.world_size} of the {strategy.world_size} ranks"
     if _checkpoint_process_group(strategy) is None and strategy.root_device.type == "cuda":
-        return "the job has no gloo checkpoint group (`PL_CHECKPOINT_GLOO_GROUP=0`) to exchange the bytes at block edges"
+        return (
+            "the job has no gloo checkpoint group (`PL_CHECKPOINT_GLOO_GROUP=0`) to exchange the bytes at block edges"
+        )
     return None
 
 
