@@ -10,13 +10,19 @@
 """
 import os
 from types import SimpleNamespace
+from unittest import mock
 
 import psutil
 import pytest
+import torch
+from torch import nn
 
 from fsdp_harness.runner import ScenarioBatch, selected_tests
+from pytorch_lightning.plugins.environments import LightningEnvironment
 from pytorch_lightning.strategies import DDPFullyShardedStrategy
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from pytorch_lightning.strategies.fsdp_writer_decision import (
+    _setup_refusal,
     _decide_checkpoint_writers,
     _mount_refusal,
     _write_probe,
@@ -129,7 +135,21 @@ def test_object_store_fuse_mounts_refuse_concurrent_writers(tmp_path, fake_mount
     assert _mount_refusal(str(inside)) == expected + " allow concurrent writers"
 
 
-@pytest.mark.parametrize("fstype", ["ext4", "xfs", "nfs4", "lustre", "gpfs", "fuse.fuse-overlayfs", "fuseblk"])
+@pytest.mark.parametrize("fstype", ["fuse.sshfs", "fuse.some-new-object-store"])
+def test_unknown_fuse_mounts_are_not_trusted_with_concurrent_writers(tmp_path, fake_mounts, fstype):
+    """A FUSE filesystem may be an object store that uploads each host's copy whole: only the known ones that write
+    through to a shared POSIX filesystem take several writers."""
+    mnt = tmp_path.resolve() / "mnt"
+    mnt.mkdir()
+    fake_mounts.set_mounts([("/", "ext4"), (mnt, fstype)])
+    kind = fstype.split(".", 1)[1]
+    expected = f"on {{ranks}}, the checkpoint directory {mnt} is on a {kind} mount ({mnt}), which is not known to"
+    assert _mount_refusal(str(mnt)) == expected + " allow concurrent writers"
+
+
+@pytest.mark.parametrize(
+    "fstype", ["ext4", "xfs", "nfs4", "lustre", "gpfs", "fuse.fuse-overlayfs", "fuseblk", "fuse.glusterfs"]
+)
 def test_shared_and_local_filesystems_take_concurrent_writers(tmp_path, fake_mounts, fstype):
     mnt = tmp_path.resolve() / "mnt"
     mnt.mkdir()
@@ -184,3 +204,39 @@ def test_probe_file_of_a_killed_writer_is_removed(tmp_path):
     assert len(left) == 2
     assert remove_stale_temporary_files(str(tmp_path)) == [p for p in left if p != own]
     assert [str(path) for path in tmp_path.iterdir()] == [own]
+
+
+def _strategy_of_two_ranks(device: str) -> DDPFullyShardedStrategy:
+    environment = LightningEnvironment()
+    environment.set_world_size(2)
+    environment.set_global_rank(0)
+    return DDPFullyShardedStrategy(cluster_environment=environment, parallel_devices=[torch.device(device)] * 2)
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A real gloo process group of this process alone, for a real FairScale FSDP instance."""
+    rank = rank_zero_only.rank
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+    rank_zero_only.rank = rank
+
+
+def test_setups_that_rule_out_every_rank_writing(one_process_group):
+    """Each rank's pieces are placed by its global rank, so FSDP must shard over every rank; and the bytes at block
+    edges need the gloo checkpoint group on GPUs. Both are known on every rank alike: no probe is needed."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    cpu, gpu = _strategy_of_two_ranks("cpu"), _strategy_of_two_ranks("cuda")
+    assert _setup_refusal(cpu) is None  # no model yet, on CPU ranks
+    # the job was set up without the gloo group (PL_CHECKPOINT_GLOO_GROUP=0): on GPUs the exchange would use NCCL
+    assert _setup_refusal(gpu) == (
+        "the job has no gloo checkpoint group (`PL_CHECKPOINT_GLOO_GROUP=0`) to exchange the bytes at block edges"
+    )
+    # FSDP sharding within a group of 1 of the job's 2 ranks (as within a node)
+    module = nn.Sequential(FullyShardedDataParallel(nn.Linear(4, 4)))
+    with mock.patch.object(DDPFullyShardedStrategy, "lightning_module", module):
+        assert _setup_refusal(cpu) == "FSDP shards over a process group of 1 of the 2 ranks"
+        with pytest.raises(MisconfigurationException, match="but FSDP shards over a process group of 1 of the 2"):
+            _decide_checkpoint_writers(cpu, "unused/last.ckpt.tmp", "all")

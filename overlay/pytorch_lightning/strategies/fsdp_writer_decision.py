@@ -6,8 +6,13 @@ Every rank must see the same file, and the filesystem must take writes to one fi
 - node-local scratch (``/tmp``, a local NVMe) mounted at the same path on every node passes every check but this
   one: global rank 0 writes a random token into a probe file next to the temporary checkpoint file, and every rank
   reads it back through its own path;
-- FUSE mounts of object stores (gcsfuse, s3fs, blobfuse) upload a file as one object, whole, from the host that
-  wrote it: writers on several hosts overwrite each other's bytes (see :data:`CONCURRENT_WRITERS_REFUSED_FSTYPES`).
+- FUSE mounts of object stores (gcsfuse, s3fs, blobfuse, rclone, ...) upload a file as one object, whole, from the
+  host that wrote it: writers on several hosts overwrite each other's bytes (see
+  :data:`CONCURRENT_WRITERS_REFUSED_FSTYPES`). A FUSE filesystem is only trusted with several writers when it is
+  known to write through to a shared POSIX filesystem (:data:`CONCURRENT_WRITERS_FUSE_FSTYPES`).
+
+and the job must be set up for it (:func:`_setup_refusal`): FSDP sharding over every rank, and a gloo checkpoint
+group where the ranks run on GPUs.
 
 The parallel save calls :func:`_decide_checkpoint_writers` once per save, on every rank.
 """
@@ -18,8 +23,14 @@ import weakref
 from contextlib import suppress
 from typing import Any, Dict, List, Optional, Tuple
 
+from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
 from pytorch_lightning.utilities.atomic_save import _create_temporary_file, _fsync_directory, _ZIP_MAGIC
-from pytorch_lightning.utilities.checkpoint_errors import _all_gather_objects, _broadcast_failure, _distributed_run
+from pytorch_lightning.utilities.checkpoint_errors import (
+    _all_gather_objects,
+    _broadcast_failure,
+    _checkpoint_process_group,
+    _distributed_run,
+)
 from pytorch_lightning.utilities.checkpoint_flush import _mount_of
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
@@ -30,7 +41,22 @@ CHECKPOINT_WRITERS = ("auto", "all", "rank0")
 #: Filesystem types (as the mount table names them) that do not take writes to one file from several hosts: FUSE
 #: mounts of object stores keep a written file in a local staging copy and upload it as one whole object when it is
 #: closed or synced, so each host's upload replaces the others' bytes.
-CONCURRENT_WRITERS_REFUSED_FSTYPES = ("fuse.gcsfuse", "fuse.s3fs", "fuse.blobfuse2", "fuse.blobfuse")
+CONCURRENT_WRITERS_REFUSED_FSTYPES = (
+    "fuse.gcsfuse",
+    "fuse.s3fs",
+    "fuse.blobfuse2",
+    "fuse.blobfuse",
+    "fuse.rclone",
+    "fuse.goofys",
+    "fuse.geesefs",
+    "fuse.mountpoint-s3",
+    "fuse.ossfs",
+)
+
+#: The FUSE filesystem types trusted with writes to one file from several hosts: they pass writes through to a shared
+#: POSIX filesystem (GlusterFS, CephFS, JuiceFS) or are local to the host (fuse-overlayfs in containers). Every other
+#: ``fuse.*`` type is refused, as an object-store mount could silently lose the other hosts' bytes.
+CONCURRENT_WRITERS_FUSE_FSTYPES = ("fuse.fuse-overlayfs", "fuse.glusterfs", "fuse.ceph-fuse", "fuse.juicefs")
 
 #: The name the probe file starts with; :func:`_create_temporary_file` adds ``.<host id>.<pid>.<random>.tmp``, so
 #: the stale-temporary-file rule of ``atomic_save`` removes a probe whose writer was killed.
@@ -55,9 +81,31 @@ def _checked_checkpoint_writers(value: Any) -> str:
 
 
 def _refuses_concurrent_writers(fstype: str) -> bool:
-    """Whether a filesystem of type ``fstype`` (e.g. ``fuse.gcsfuse``) loses writes to one file from several hosts
-    (see :data:`CONCURRENT_WRITERS_REFUSED_FSTYPES`)."""
-    return fstype in CONCURRENT_WRITERS_REFUSED_FSTYPES
+    """Whether a filesystem of type ``fstype`` (e.g. ``fuse.gcsfuse``) loses, or may lose, writes to one file from
+    several hosts (see :data:`CONCURRENT_WRITERS_REFUSED_FSTYPES` and :data:`CONCURRENT_WRITERS_FUSE_FSTYPES`)."""
+    if fstype in CONCURRENT_WRITERS_REFUSED_FSTYPES:
+        return True
+    return fstype.startswith("fuse.") and fstype not in CONCURRENT_WRITERS_FUSE_FSTYPES
+
+
+def _setup_refusal(strategy: Any) -> Optional[str]:
+    """Why the job's setup rules out every rank writing its own shards, or ``None``; the same on every rank, so no
+    rank needs to ask the others.
+
+    - Each rank's pieces are placed by its global rank: FSDP must shard over every rank (not, e.g., within a node).
+    - The bytes at block boundaries travel over the gloo checkpoint group, bounded by ``PL_CHECKPOINT_TIMEOUT``;
+      without it (``PL_CHECKPOINT_GLOO_GROUP=0``) they would go over NCCL, whose point-to-point sends between two
+      ranks that send to each other can block each other.
+    """
+    module = strategy.lightning_module
+    for instance in _fsdp_instances(module) if module is not None else []:
+        if instance.world_size != strategy.world_size:
+            return f"FSDP shards over a process group of {instance.world_size} of the {strategy.world_size} ranks"
+    if _checkpoint_process_group(strategy) is None and strategy.root_device.type == "cuda":
+        return (
+            "the job has no gloo checkpoint group (`PL_CHECKPOINT_GLOO_GROUP=0`) to exchange the bytes at block edges"
+        )
+    return None
 
 
 def _mount_refusal(directory: str) -> Optional[str]:
@@ -71,8 +119,9 @@ def _mount_refusal(directory: str) -> Optional[str]:
     if mount is None or not _refuses_concurrent_writers(mount.fstype):
         return None
     kind = mount.fstype.split(".", 1)[-1]
+    allows = "does not" if mount.fstype in CONCURRENT_WRITERS_REFUSED_FSTYPES else "is not known to"
     return (
-        f"on {{ranks}}, the checkpoint directory {directory} is on a {kind} mount ({mount.mount_point}), which does not"
+        f"on {{ranks}}, the checkpoint directory {directory} is on a {kind} mount ({mount.mount_point}), which {allows}"
         " allow concurrent writers"
     )
 
@@ -196,13 +245,13 @@ def _decide_checkpoint_writers(strategy: Any, temporary_path: str, requested: st
     _checked_checkpoint_writers(requested)
     if requested == "rank0" or not _distributed_run(strategy.world_size):
         return ("rank0" if requested == "rank0" else "all"), None
-    reason = _probe_every_rank(strategy, os.path.dirname(os.path.abspath(temporary_path)))
+    reason = _setup_refusal(strategy) or _probe_every_rank(strategy, os.path.dirname(os.path.abspath(temporary_path)))
     if reason is not None and requested == "all":
         raise MisconfigurationException(
             f"`DDPFullyShardedStrategy(checkpoint_writers='all')` needs every rank to write into one checkpoint"
-            f" file, but {reason}. Save into a directory that every rank shares on a filesystem that takes concurrent"
-            " writers (NFS, Lustre, GPFS, ...), or set `checkpoint_writers='auto'` to let global rank 0 write"
-            " alone where it cannot."
+            f" file, but {reason}. Where the directory is the cause, save into one that every rank shares on a"
+            " filesystem that takes concurrent writers (NFS, Lustre, GPFS, ...); or set `checkpoint_writers='auto'`"
+            " to let global rank 0 write alone where it cannot."
         )
     if reason is not None and _LAST_REASON.get(strategy) != reason:
         rank_zero_info(
