@@ -13,7 +13,7 @@
 """
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
 from fsdp_harness.scenario import BATCH, read_results
@@ -170,6 +170,17 @@ class CasePlans:
         selected = selected_tests(request)
         for plan in dict.fromkeys(plan for test, plan in self._plans.items() if test in selected):
             plan(batches)
+
+    def queued_batches(
+        self, request: Any, module: str, root: Path, layout: Dict[str, Tuple[int, float]]
+    ) -> "ScenarioBatches":
+        """New :class:`ScenarioBatches` of ``module`` in ``root``, one batch per entry of ``layout`` (name: ranks,
+        timeout), in its order, holding the cases of the tests this session runs (:meth:`queue`)."""
+        batches = ScenarioBatches(module, root)
+        for name, (devices, timeout) in layout.items():
+            batches.batch(name, devices, timeout)
+        self.queue(request, batches)
+        return batches
 
 
 class ScenarioBatches:

@@ -34,11 +34,7 @@ queues = PLANS.queues
 
 @pytest.fixture(scope="module")
 def async_runs(request, tmp_path_factory) -> ScenarioBatches:
-    batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("async"))
-    for name, (devices, timeout) in BATCHES.items():
-        batches.batch(name, devices, timeout)
-    PLANS.queue(request, batches)
-    return batches
+    return PLANS.queued_batches(request, SCENARIOS, tmp_path_factory.mktemp("async"), BATCHES)
 
 
 def _two(batches: ScenarioBatches) -> ScenarioBatch:

@@ -222,12 +222,8 @@ queues = PLANS.queues
 
 @pytest.fixture(scope="module")
 def portable_runs(request, tmp_path_factory) -> ScenarioBatches:
-    batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("portable"))
-    for name, (devices, timeout) in BATCHES.items():
-        batches.batch(name, devices, timeout)
     # each plan once, in the order of the tests: the matrix, then the errors, which raise, and the compatibility
-    PLANS.queue(request, batches)
-    return batches
+    return PLANS.queued_batches(request, SCENARIOS, tmp_path_factory.mktemp("portable"), BATCHES)
 
 
 def matrix(directions: List[Tuple[str, str]]) -> List[Any]:
