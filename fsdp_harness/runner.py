@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
+from fsdp_harness.forked_ranks import forks_ranks
 from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
 from fsdp_harness.scenario import BATCH, read_results
 
@@ -23,6 +24,19 @@ Records = List[Dict[str, Any]]
 
 def _argv(scenario: str, out: Path, devices: int, args: Iterable[str]) -> List[str]:
     return [scenario, "--out", str(out), "--devices", str(devices), *map(str, args)]
+
+
+def _run_ranks(
+    module: str, argv: List[str], devices: int, timeout: float, grace: float, env: Optional[Dict[str, str]]
+) -> ScriptResult:
+    """``python -m module *argv`` on ``devices`` ranks: forked from one driver that imported it
+    (:mod:`fsdp_harness.forked_ranks`) where there are several, else as it is."""
+    if not forks_ranks(devices):
+        return run_module(module, argv, timeout=timeout, grace=grace, env=env)
+    # numpy's OpenBLAS pool would give the driver threads, and a process with threads must not fork
+    env = {"OPENBLAS_NUM_THREADS": "1", **(env or {})}
+    argv = ["--ranks", str(devices), module, *argv]
+    return run_module("fsdp_harness.forked_ranks", argv, timeout=timeout, grace=grace, env=env)
 
 
 def launch(
@@ -37,7 +51,7 @@ def launch(
 ) -> ScriptResult:
     """Run ``scenario`` of ``module`` on ``devices`` ranks, writing into ``out``; see
     :func:`~fsdp_harness.multiprocess.run_module` for ``timeout``, ``grace`` and ``env``."""
-    return run_module(module, _argv(scenario, out, devices, args), timeout=timeout, grace=grace, env=env)
+    return _run_ranks(module, _argv(scenario, out, devices, args), devices, timeout, grace, env)
 
 
 def run_scenario(module: str, scenario: str, out: Path, *args: Any, devices: int = 2, **options: Any) -> Records:
@@ -115,9 +129,8 @@ class ScenarioBatch:
             self.root.mkdir(parents=True, exist_ok=True)
             cases = self.root / "batch.json"
             cases.write_text(json.dumps(self._ordered(), indent=1))
-            self._result = run_module(
-                self.module, [BATCH, "--cases", str(cases)], timeout=self.timeout, grace=self.grace, env=self.env
-            )
+            argv = [BATCH, "--cases", str(cases)]
+            self._result = _run_ranks(self.module, argv, self.devices, self.timeout, self.grace, self.env)
         return self._result
 
     def results(self, case: str) -> Records:

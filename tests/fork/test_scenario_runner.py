@@ -1,8 +1,12 @@
 """``fsdp_harness.runner``: a batch runs its cases in order in one launch, each test reads its own case, a failing
-case names its error and stops the batch, and the cases after it say so."""
+case names its error and stops the batch, and the cases after it say so; the ranks of a launch of several are forks
+of one driver (``fsdp_harness.forked_ranks``)."""
+import signal
+
 import pytest
 
-from fsdp_harness.runner import ScenarioBatch
+from fsdp_harness.forked_ranks import forks_ranks, LAUNCHER_ENV
+from fsdp_harness.runner import launch, ScenarioBatch
 
 MODULE = "tests.fork.runner_scenarios"
 
@@ -33,3 +37,28 @@ def test_a_case_that_raises_stops_the_batch_and_names_itself(tmp_path):
         batch.results("broken")
     with pytest.raises(AssertionError, match="case 'after': a rank wrote no result \\(case 'broken' raised before it"):
         batch.results("after")
+
+
+FORKED = "tests.fork.forked_rank_scenarios"
+
+
+@pytest.mark.skipif(not forks_ranks(2), reason=f"{LAUNCHER_ENV} sends scenario launches through Lightning's launcher")
+@pytest.mark.timeout(180)
+def test_ranks_are_forked_from_one_interpreter_as_an_external_launcher_starts_them(tmp_path):
+    """Both ranks are forks of the driver, which imported the scenario module (and Lightning) once; each has the
+    environment ``torchrun`` gives a rank and the ``rank_zero_only.rank`` a fresh interpreter computes from it; a
+    rank 0 killed by a signal makes the launch end with that signal, as ``python -m`` rank 0 would."""
+    batch = ScenarioBatch(FORKED, tmp_path, devices=2, timeout=120)
+    batch.add("who", "who")
+    rank0, rank1 = batch.results("who")
+    assert (rank0["local_rank"], rank1["local_rank"]) == ("0", "1")
+    assert (rank0["global_rank"], rank1["global_rank"]) == (0, 1)
+    assert (rank0["rank_zero_only"], rank1["rank_zero_only"]) == (0, 1)
+    assert rank0["driver"][1:] == ["-m", "fsdp_harness.forked_ranks", "--ranks", "2", FORKED, "batch", "--cases",
+                                   str(tmp_path / "batch.json")]
+    assert rank0["lightning_imported_by_driver"] is rank1["lightning_imported_by_driver"] is True
+    assert rank0["pid"] != rank1["pid"]
+    assert rank0["master"] == rank1["master"] and rank0["master"][0] == "127.0.0.1"
+    killed = launch(FORKED, "killed_on_rank_0", tmp_path / "killed", "--value", "SIGTERM", timeout=120, grace=5)
+    assert killed.returncode == -signal.SIGTERM, killed.output[-4000:]
+    assert (tmp_path / "killed" / "rank1.json").exists()

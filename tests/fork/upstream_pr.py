@@ -48,6 +48,7 @@ HARNESS = [
     "tests/conftest.py",
     "fsdp_harness/__init__.py",
     "fsdp_harness/cpu_fsdp.py",
+    "fsdp_harness/forked_ranks.py",
     "fsdp_harness/multiprocess.py",
     "fsdp_harness/runner.py",
     "fsdp_harness/scenario.py",

@@ -1,0 +1,108 @@
+"""Start the ranks of a scenario launch as forks of one interpreter that has imported torch, Lightning and FairScale.
+
+``python -m fsdp_harness.forked_ranks --ranks N <module> <args...>`` imports the scenario module (and with it
+everything it needs), then forks N ranks. Each rank gets an external launcher's environment, as ``torchrun`` or
+Slurm's ``srun`` start ranks (``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning
+starts no processes of its own, and runs ``<module>`` as ``__main__`` with ``<args>``, then exits as a script does:
+the interpreter finalizes, running the exit hooks.
+
+Why: an interpreter costs 3.5-4 s of CPU to import torch and Lightning, and a 2-rank launch of
+``python -m <module>`` pays that twice (Lightning's launcher re-runs the command line for rank 1). Most of the suite's
+launches are 2-rank scenario batches on the 2 cores of CI; forking the ranks of an imported interpreter pays it once.
+Lightning's own launcher (``_SubprocessScriptLauncher``) still runs in the tests that run a user's script as the user
+would (the README's quick start, the standalone script, the upstream PR's tests, the benchmark), and
+``PL_HARNESS_LAUNCHER=lightning`` runs every scenario launch through it.
+
+The driver exits with rank 0's status (a signal's as ``-signal`` through the same signal), as ``python -m <module>``
+exits with rank 0's: the harness gives the other ranks, in the driver's process group, their grace and kills them.
+"""
+import argparse
+import gc
+import importlib
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+from typing import List, NoReturn
+
+#: ``fork`` (the default): scenario launches of more than one rank fork them from this driver; ``lightning``: they
+#: run ``python -m <module>`` and Lightning's launcher starts ranks >= 1.
+LAUNCHER_ENV = "PL_HARNESS_LAUNCHER"
+
+
+def forks_ranks(devices: int) -> bool:
+    """Whether a scenario launch of ``devices`` ranks goes through this driver."""
+    return devices > 1 and os.environ.get(LAUNCHER_ENV, "fork") == "fork"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
+
+
+def _run_rank(rank: int, ranks: int, port: int, module: str, args: List[str]) -> NoReturn:
+    """The body of a forked rank: the environment an external launcher gives it, then the module as a script."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks)
+    )
+    # what a fresh interpreter computes from LOCAL_RANK as it imports them; the driver imported them as rank 0
+    lightning = sys.modules.get("pytorch_lightning.utilities.rank_zero")
+    if lightning is not None:
+        lightning.rank_zero_only.rank = lightning._get_rank()
+    torchmetrics = sys.modules.get("torchmetrics.utilities.prints")
+    if torchmetrics is not None:
+        torchmetrics.rank_zero_only.rank = rank
+    # as under ``python -m``: the module runs as ``__main__`` only, and an import by name makes a module of its own
+    del sys.modules[module]
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+def _exit_as(status: int) -> NoReturn:
+    """Exit as rank 0 did (``status`` from ``os.waitpid``)."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # their handlers are the default, and cannot be set
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    sys.exit(os.waitstatus_to_exitcode(status))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("module")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    options = parser.parse_args()
+    # everything a rank imports, imported once here; a rank re-runs only the module's own code
+    importlib.import_module(options.module)
+    # a process with other threads must not fork: they would be missing in the ranks, holding what they held
+    if _threads() != 1:
+        raise RuntimeError(
+            f"{_threads()} threads after the imports, cannot fork the ranks (OpenBLAS: OPENBLAS_NUM_THREADS=1)"
+        )
+    # the ranks' garbage collector then leaves the imported modules' pages shared instead of copying them
+    gc.freeze()
+    port = _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(options.ranks):
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(rank, options.ranks, port, options.module, options.args)
+        pids.append(pid)
+    _, status = os.waitpid(pids[0], 0)
+    _exit_as(status)
+
+
+if __name__ == "__main__":
+    main()
