@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -28,7 +29,12 @@ from fsdp_harness.scenario import main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import iter_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.strategies import fsdp_checkpointer, fsdp_streaming_save, fsdp_writer_decision
+from pytorch_lightning.strategies import (
+    fsdp_checkpointer,
+    fsdp_parallel_save,
+    fsdp_streaming_save,
+    fsdp_writer_decision,
+)
 from pytorch_lightning.utilities.checkpoint_errors import CHECKPOINT_TIMEOUT_ENV
 from pytorch_lightning.utilities.exceptions import CheckpointError
 from fsdp_harness.models import FSDPModel
@@ -242,14 +248,30 @@ FAULTS = {
     "full_disk": ("pwrite", errno.ENOSPC),
     # as where rank 1's checkpoint directory is node-local: rank 0's temporary file is not there
     "cannot_open": ("open", errno.ENOENT),
+    # rank 1 runs out of host memory as it allocates the buffers of the block-boundary exchange
+    "no_memory": ("empty", errno.ENOMEM),
 }
+
+
+def _in_block_exchange() -> bool:
+    """Whether the caller's caller runs in the allocation of the block-boundary exchange's buffers."""
+    frame = sys._getframe(2)
+    for _ in range(3):  # the allocation's comprehension, then the method
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "prepare" and frame.f_globals.get("__name__") == fsdp_parallel_save.__name__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextmanager
 def failing_on_rank_1(trainer: Trainer, fault: str) -> Iterator[None]:
-    """On global rank 1, ``os.<call>`` of ``FAULTS[fault]`` fails on a temporary checkpoint file with its error."""
+    """On global rank 1, ``os.<call>`` of ``FAULTS[fault]`` fails on a temporary checkpoint file with its error; or
+    ``torch.empty`` fails in the block-boundary exchange as torch's CPU allocator fails when ``malloc`` does."""
     call, code = FAULTS[fault]
-    original = getattr(os, call)
+    owner = torch if call == "empty" else os
+    original = getattr(owner, call)
 
     def failing(target: Any, *args: Any, **kwargs: Any) -> Any:
         path = os.readlink(f"/proc/self/fd/{target}") if isinstance(target, int) else os.fspath(target)
@@ -257,7 +279,16 @@ def failing_on_rank_1(trainer: Trainer, fault: str) -> Iterator[None]:
             raise OSError(code, os.strerror(code))
         return original(target, *args, **kwargs)
 
-    with mock.patch.object(os, call, failing) if trainer.global_rank == 1 else mock.patch.dict({}):
+    def failing_allocation(*args: Any, **kwargs: Any) -> Any:
+        if _in_block_exchange():
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to"
+                f" allocate {args[0] if args else 0} bytes. Error code {code} ({os.strerror(code)})"
+            )
+        return original(*args, **kwargs)
+
+    patched = failing_allocation if owner is torch else failing
+    with mock.patch.object(owner, call, patched) if trainer.global_rank == 1 else mock.patch.dict({}):
         yield
 
 

@@ -32,7 +32,10 @@ EQUALS = [("tied", "wrap", "sgd", 72), ("plain", "auto_wrap", "adam", 16), ("tie
 ASYNC_EQUALS = [EQUALS[0], EQUALS[2]]
 BATCHES = {"two": (2, 420), "one": (1, 180)}
 BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
-FAULTS = [("full_disk", "No space left on device"), ("cannot_open", "No such file")]
+FAULTS = [
+    ("full_disk", "No space left on device"), ("cannot_open", "No such file"),
+    ("no_memory", "can't allocate memory"),
+]
 #: the faults' scenarios, each with what every rank raises: saves in the foreground, and in the background
 FAULT_SCENARIOS = {
     "fails_while_writing": "failed on global rank 1: ",
@@ -170,9 +173,10 @@ def test_default_writers(parallel_runs, devices):
 @pytest.mark.parametrize("scenario", list(FAULT_SCENARIOS))
 @pytest.mark.parametrize(("fault", "cause"), FAULTS)
 def test_failure_on_one_rank_keeps_the_previous_checkpoint(parallel_runs, scenario, fault, cause):
-    """Rank 1's ``pwrite`` fails with ENOSPC, or rank 1 cannot open the temporary file (ENOENT): every rank raises a
-    ``CheckpointError`` naming rank 1 (in the background: at ``wait_for_checkpoint``), the previous file is
-    untouched, no temporary file is left, and the next save works."""
+    """Rank 1's ``pwrite`` fails with ENOSPC, rank 1 cannot open the temporary file (ENOENT), or rank 1 cannot
+    allocate its buffers of the block-boundary exchange (out of memory, so it is not a rank lost in the exchange):
+    every rank raises a ``CheckpointError`` naming rank 1 and its error (in the background: at
+    ``wait_for_checkpoint``), the previous file is untouched, no temporary file is left, and the next save works."""
     results = parallel_runs.results(scenario)
     for result in results:
         assert all(result.get("in_background", [True])), result

@@ -216,20 +216,23 @@ def _copy_own_writes(
 
 def _write_planned(writes: _OwnWrites, guard: _CollectiveGuard, group: Optional[Any], device: torch.device) -> None:
     """Send the bytes of ``writes`` in blocks other ranks own to them over ``group`` (through ``device``), receive
-    theirs in the blocks this rank owns, then write this rank's parts, ``fdatasync`` and close. A failure is
-    recorded in ``guard``; the ranks agree after the exchange. Collective over ``group``."""
-    received = None
+    theirs in the blocks this rank owns, then write this rank's parts, ``fdatasync`` and close. A failure of this
+    rank's own work (its buffers, its writes) is recorded in ``guard``: the ranks agree before the exchange, so a
+    rank that cannot allocate its buffers says so there, and is not taken for a lost rank. A failure of the exchange
+    itself (a rank died or is slower than the group's timeout) propagates. Collective over ``group``."""
+    exchange = None
     with guard.catch():
         sources = {source: tensor.detach().reshape(-1).view(torch.uint8) for source, tensor in writes.sources.items()}
-        received = _exchange_block_bytes(writes.rank, writes.parts, sources, group, device)
+        exchange = _BlockExchange.prepare(writes.rank, writes.parts, sources, device)
     if not guard.agree():
         return
+    exchange.run(group)
     with guard.catch():
         with _RankFile(writes.path) as file:
             for owner, extent in writes.parts:
                 if extent.rank == writes.rank and owner == writes.rank:
                     file.write(sources[extent.source], extent.at, extent.nbytes, extent.offset)
-            for offset, data in received:
+            for offset, data in exchange.received():
                 file.write(data, 0, data.numel(), offset)
 
 
@@ -320,38 +323,46 @@ def _split_at_blocks(extents: List[_Extent], owners: Dict[int, int], block: int)
     return parts
 
 
-def _exchange_block_bytes(
-    rank: int,
-    parts: List[Tuple[int, _Extent]],
-    sources: Dict[_Source, torch.Tensor],
-    group: Optional[Any],
-    device: torch.device,
-) -> List[Tuple[int, torch.Tensor]]:
-    """Send global rank ``rank``'s bytes in blocks other ranks own to them, and receive theirs in the blocks it owns
-    (one message per pair of ranks over ``group``, through ``device``, its size known to both from ``parts``);
-    returns the received bytes by offset."""
-    outgoing: Dict[int, List[torch.Tensor]] = {}
-    incoming: Dict[int, List[_Extent]] = {}
-    for owner, extent in parts:
-        if extent.rank == rank and owner != rank:
-            outgoing.setdefault(owner, []).append(sources[extent.source][extent.at : extent.at + extent.nbytes])
-        elif owner == rank and extent.rank != rank:
-            incoming.setdefault(extent.rank, []).append(extent)
-    buffers = {
-        peer: torch.empty(sum(e.nbytes for e in extents), dtype=torch.uint8, device=device)
-        for peer, extents in incoming.items()
-    }
-    requests = [
-        torch.distributed.isend(torch.cat(data).to(device), peer, group=group) for peer, data in outgoing.items()
-    ]
-    requests += [torch.distributed.irecv(buffer, peer, group=group) for peer, buffer in buffers.items()]
-    for request in requests:
-        request.wait()
-    received = []
-    for peer, extents in incoming.items():
-        for extent, data in zip(extents, buffers[peer].cpu().split([e.nbytes for e in extents])):
-            received.append((extent.offset, data))
-    return received
+class _BlockExchange(NamedTuple):
+    """The bytes global rank ``rank`` sends to the owners of the blocks they fall in, and the buffers it receives the
+    other ranks' bytes in the blocks it owns into: one message per pair of ranks, its size known to both from the
+    parts (see :func:`_split_at_blocks`)."""
+
+    outgoing: Dict[int, torch.Tensor]
+    incoming: Dict[int, List[_Extent]]
+    buffers: Dict[int, torch.Tensor]
+
+    @classmethod
+    def prepare(
+        cls, rank: int, parts: List[Tuple[int, _Extent]], sources: Dict[_Source, torch.Tensor], device: torch.device
+    ) -> "_BlockExchange":
+        """Allocate the messages and buffers on ``device``: local work, which may fail (out of memory) before any
+        rank enters the exchange."""
+        outgoing: Dict[int, List[torch.Tensor]] = {}
+        incoming: Dict[int, List[_Extent]] = {}
+        for owner, extent in parts:
+            if extent.rank == rank and owner != rank:
+                outgoing.setdefault(owner, []).append(sources[extent.source][extent.at : extent.at + extent.nbytes])
+            elif owner == rank and extent.rank != rank:
+                incoming.setdefault(extent.rank, []).append(extent)
+        buffers = {
+            peer: torch.empty(sum(e.nbytes for e in extents), dtype=torch.uint8, device=device)
+            for peer, extents in incoming.items()
+        }
+        return cls({peer: torch.cat(data).to(device) for peer, data in outgoing.items()}, incoming, buffers)
+
+    def run(self, group: Optional[Any]) -> None:
+        """Send and receive every message over ``group``. Collective between the pairs of ranks that share a
+        block."""
+        requests = [torch.distributed.isend(data, peer, group=group) for peer, data in self.outgoing.items()]
+        requests += [torch.distributed.irecv(buffer, peer, group=group) for peer, buffer in self.buffers.items()]
+        for request in requests:
+            request.wait()
+
+    def received(self) -> Iterator[Tuple[int, torch.Tensor]]:
+        """The bytes received, with their offsets in the file (on the CPU)."""
+        for peer, extents in self.incoming.items():
+            yield from zip((e.offset for e in extents), self.buffers[peer].cpu().split([e.nbytes for e in extents]))
 
 
 class _RankFile:
