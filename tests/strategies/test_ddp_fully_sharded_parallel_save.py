@@ -3,13 +3,14 @@ save's structure, then every rank writes its own shards into the same file.
 
 The file must be the one the gathered save writes (``stream_checkpoint=False``), tensor by tensor, with SGD momentum
 and Adam, tied weights, parameters outside FSDP, and shards that end inside tensors and inside 4 KiB blocks; the
-ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1;
-a full disk on rank 1 raises on every rank and keeps the previous file, and so do a rank 1 that stalls in its writes
+ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1,
+and one written on 1 rank resumes on 2; a full disk, a file that cannot be opened or an allocation that fails on rank
+1 raises on every rank and keeps the previous file, and so do a rank 1 that stalls in its writes
 past ``PL_CHECKPOINT_TIMEOUT`` and one killed in them. With ``async_checkpoint=True`` saves in the background write
 every rank's own shards from their writer threads and gather nothing; a full disk there raises as above. The
 default (``"auto"``) writes as ``"all"`` on 2 ranks sharing the directory and as ``"rank0"`` in one process. Scenarios
-in ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in one launch per world
-size, and one for the killed rank.
+in ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in three launches (2
+ranks, 1, 2 again: the last one ends with the killed rank).
 """
 import json
 from pathlib import Path
@@ -18,7 +19,7 @@ from unittest import mock
 
 import pytest
 
-from fsdp_harness.runner import launch, ScenarioBatches
+from fsdp_harness.runner import ScenarioBatches
 from pytorch_lightning.strategies.fsdp_parallel_save import _checked_checkpoint_writers
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from tests.helpers.runif import RunIf
@@ -30,7 +31,10 @@ BLOCK = 4096
 EQUALS = [("tied", "wrap", "sgd", 72), ("plain", "auto_wrap", "adam", 16), ("tied", "wrap", "adam", 72)]
 # saved in the background (``async_checkpoint=True``): SGD momentum and Adam, parameters inside and outside FSDP
 ASYNC_EQUALS = [EQUALS[0], EQUALS[2]]
-BATCHES = {"two": (2, 420), "one": (1, 180)}
+# "later": 2 ranks again, after "one", to resume a file written on 1 rank; then rank 1 is killed
+BATCHES = {"two": (2, 420), "one": (1, 180), "later": (2, 180)}
+#: ``PL_CHECKPOINT_TIMEOUT`` of the "later" batch: the killed rank must be named long before it
+KILLED_TIMEOUT = 30
 BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
 FAULTS = [
     ("full_disk", "No space left on device"), ("cannot_open", "No such file"),
@@ -58,12 +62,17 @@ def _options(model: str, wrapping: str, optimizer: str, width: int) -> List[str]
 def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("parallel"))
     for name, (devices, timeout) in BATCHES.items():
-        batches.batch(name, devices, timeout)
+        env = {"PL_CHECKPOINT_TIMEOUT": str(KILLED_TIMEOUT)} if name == "later" else None
+        batches.batch(name, devices, timeout, env)
     for case in EQUALS:
         batches.batch("two", 2).add(_case(*case), "parallel_equals_gathered", *_options(*case))
     saved = batches.batch("two", 2).folder(_case(*EQUALS[2])) / "parallel.ckpt"
     for name, devices in (("two", 2), ("one", 1)):
         batches.batch(name, devices).add(f"resume-2-{devices}", "resume", *_options(*EQUALS[2]), "--ckpt", saved)
+    # written by the one rank of a single process, through the same parallel path, and resumed on 2 ranks
+    one = batches.batch("one", 1).add(f"one-{_case(*EQUALS[2])}", "parallel_equals_gathered", *_options(*EQUALS[2]))
+    batches.batch("later", 2).add("resume-1-2", "resume", *_options(*EQUALS[2]), "--ckpt", one / "parallel.ckpt")
+    batches.batch("later", 2).add("killed", "killed_while_writing", "--writers", WRITERS, "--width", 72, fails=True)
     # the strategy's default checkpoint_writers, on a directory every rank shares, and in a single process
     default = ["--model", "tied", "--width", "72", "--writers", "default"]
     for name, devices in (("two", 2), ("one", 1)):
@@ -142,10 +151,14 @@ def test_async_parallel_checkpoint_equals_gathered_checkpoint(parallel_runs, mod
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)
-@pytest.mark.parametrize("devices", [2, 1])
-def test_resume_from_parallel_checkpoint(parallel_runs, devices):
-    """A file written by every rank resumes exactly at 2 and 1 ranks: saved again, it equals what was loaded."""
-    rank0 = parallel_runs.results(f"resume-2-{devices}")[0]
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 2), (2, 1), (1, 2)])
+def test_resume_from_parallel_checkpoint(parallel_runs, saved, resumed):
+    """A file written by every rank resumes exactly at 2 -> 2, 2 -> 1 and 1 -> 2 ranks: saved again, it equals
+    what was loaded; the one-rank file is also the gathered save's, tensor by tensor."""
+    if saved == 1:
+        written = parallel_runs.results(f"one-{_case(*EQUALS[2])}")[0]
+        assert written["differences"] == [] and written["tensors"] >= 20 and written["writes"], written
+    rank0 = parallel_runs.results(f"resume-{saved}-{resumed}")[0]
     assert rank0["differences"] == []
     assert rank0["tensors"] >= 20
 
@@ -210,23 +223,22 @@ def test_slow_rank_fails_the_save_within_the_checkpoint_timeout(parallel_runs):
     assert rank0["after_loads"] >= 8
 
 
-@pytest.mark.timeout(240)
-def test_rank_killed_while_writing_its_shards(tmp_path):
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_rank_killed_while_writing_its_shards(parallel_runs):
     """Rank 1 is killed (SIGKILL) in its ``pwrite`` of a shard of a save over a previous checkpoint: rank 0 raises a
     ``CheckpointError`` naming rank 1 within seconds (gloo sees the closed connection; ``PL_CHECKPOINT_TIMEOUT`` is
-    30 s here), the previous file is untouched, and rank 0 removes the temporary file."""
-    result = launch(
-        SCENARIOS, "killed_while_writing", tmp_path, "--writers", WRITERS, "--width", 72,
-        timeout=180, env={"PL_CHECKPOINT_TIMEOUT": "30"},
-    )
+    30 s here), the previous file is untouched, and rank 0 removes the temporary file. The last case of its batch:
+    rank 1 is gone after it."""
+    result, out = parallel_runs.failure("killed"), parallel_runs.folder("killed")
     assert not result.timed_out, result.output[-8000:]
     assert result.returncode == 0, f"rank 0 did not finish:\n{result.output[-8000:]}"
-    assert not (tmp_path / "rank1.json").exists(), "rank 1 was not killed"
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert not (out / "rank1.json").exists(), "rank 1 was not killed"
+    rank0 = json.loads((out / "rank0.json").read_text())
     assert "failed on global rank 1: it did not reach the ranks' next exchange" in (rank0["raised"] or ""), rank0
-    assert rank0["raised_time"] - _fault_time(tmp_path) < 10
+    assert f"`PL_CHECKPOINT_TIMEOUT` ({KILLED_TIMEOUT} s)" in rank0["raised"]
+    assert rank0["raised_time"] - _fault_time(out) < 10
     assert rank0["unchanged"] is True
-    assert rank0["temporary_files"] == [] and not list(tmp_path.glob("*.tmp"))
+    assert rank0["temporary_files"] == [] and not list(out.glob("*.tmp"))
 
 
 def test_checkpoint_writers_is_checked():
