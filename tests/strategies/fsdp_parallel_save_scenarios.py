@@ -110,7 +110,11 @@ def fit(
         writers = default_strategy(async_checkpoint=async_checkpoint)
     else:
         writers = strategy(args, checkpoint_writers=args.writers, async_checkpoint=async_checkpoint)
-    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=writers, max_epochs=epochs, **kwargs))
+    trainer = Trainer(
+        **quiet_trainer_kwargs(
+            args.out, args.devices, accelerator=args.accelerator, strategy=writers, max_epochs=epochs, **kwargs
+        )
+    )
     trainer.fit(model)
     return trainer, model
 
@@ -228,7 +232,11 @@ def resume(args: argparse.Namespace) -> Dict[str, Any]:
     loaded through the parallel load is saved as it was read."""
     seed_everything(5)
     model = make_model(args)
-    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=strategy(args), max_epochs=2))
+    trainer = Trainer(
+        **quiet_trainer_kwargs(
+            args.out, args.devices, accelerator=args.accelerator, strategy=strategy(args), max_epochs=2
+        )
+    )
     trainer.fit(model, ckpt_path=args.ckpt)  # max_epochs reached: restores, then stops
     trainer.strategy.stream_checkpoint = False
     trainer.save_checkpoint(args.out / "resumed.ckpt")
@@ -398,6 +406,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--writers", choices=["rank0", "all", "default"], default="all")
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--timeout", type=float, default=2.0, help="PL_CHECKPOINT_TIMEOUT of slow_writer")
     parser.add_argument("--stall", type=float, default=5.0, help="seconds rank 1 stalls in slow_writer")
 

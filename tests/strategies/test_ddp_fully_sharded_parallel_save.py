@@ -105,10 +105,31 @@ def _covered(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
 @pytest.mark.timeout(BATCHES_TIMEOUT)
 @pytest.mark.parametrize(("model", "wrapping", "optimizer", "width"), EQUALS)
 def test_parallel_checkpoint_equals_gathered_checkpoint(parallel_runs, model, wrapping, optimizer, width):
-    rank0 = parallel_runs.results(_case(model, wrapping, optimizer, width))[0]
+    _check_equals_gathered(parallel_runs.results(_case(model, wrapping, optimizer, width)))
+
+
+def _check_equals_gathered(results) -> None:
+    rank0 = results[0]
     assert rank0["differences"] == []
     assert rank0["tensors"] >= 20  # model and optimizer state, all compared
     assert rank0["temporary_files"] == []
+
+
+@RunIf(min_gpus=2, skip_windows=True, standalone=True, fairscale_fully_sharded=True)
+@pytest.mark.timeout(600)
+def test_parallel_checkpoint_multi_gpu(tmp_path):
+    """The bodies of ``test_parallel_checkpoint_equals_gathered_checkpoint[tied-wrap-adam-72]``,
+    ``test_ranks_write_disjoint_blocks_covering_every_fsdp_byte`` and ``test_resume_from_parallel_checkpoint[2-2]`` on
+    GPUs (2 ranks, NCCL; every rank writes its shards through its pinned staging buffer)."""
+    batches = ScenarioBatches(SCENARIOS, tmp_path)
+    batch = batches.batch("two", 2, BATCHES["two"][1])
+    options = [*_options(*EQUALS[2]), "--accelerator", "gpu"]
+    saved = batch.add("equals", "parallel_equals_gathered", *options) / "parallel.ckpt"
+    batch.add("resume", "resume", *options, "--ckpt", saved)
+    results = batches.results("equals")
+    _check_equals_gathered(results)
+    _check_disjoint_blocks_covering_every_fsdp_byte(results)
+    assert batches.results("resume")[0]["differences"] == []
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)
