@@ -383,6 +383,50 @@ def killed_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+class _Stop(Exception):
+    """Ends ``fit`` on the surviving rank once it has recorded what it raised."""
+
+
+def async_killed_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
+    """With ``async_checkpoint=True``, inside ``fit`` and with ``PL_CHECKPOINT_TIMEOUT`` set to ``--timeout``
+    seconds: save ``last.ckpt`` and wait for it; change the weights and save over it in the background while rank
+    1's writer thread is killed (SIGKILL, the whole process) in its ``pwrite`` of a shard; rank 0 records what
+    ``wait_for_checkpoint`` raised and when, whether the file is unchanged and which temporary files are left, then
+    ends ``fit`` alone."""
+    os.environ[CHECKPOINT_TIMEOUT_ENV] = str(args.timeout)
+    result: Dict[str, Any] = {"rank": None, "raised": None, "in_background": []}
+
+    class SavesOverItWithRank1Killed(Callback):
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+            path = args.out / "last.ckpt"
+            result["rank"] = trainer.global_rank
+            trainer.save_checkpoint(path)
+            trainer.strategy.wait_for_checkpoint()
+            before = path.read_bytes() if trainer.global_rank == 0 else b""
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.add_(1.0)
+            with stopping_rank_1_in_pwrite(trainer, args.out, lambda: os.kill(os.getpid(), signal.SIGKILL)):
+                trainer.save_checkpoint(path)
+                result["in_background"].append(trainer.strategy._checkpoint_state.in_flight is not None)
+                try:
+                    trainer.strategy.wait_for_checkpoint()
+                except CheckpointError as ex:
+                    result["raised"] = str(ex)
+            result["raised_time"] = time.time()
+            result["unchanged"] = path.read_bytes() == before
+            result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+            raise _Stop()
+
+    try:
+        fit(args, epochs=1, async_checkpoint=True, callbacks=[SavesOverItWithRank1Killed()])
+    except _Stop:
+        pass
+    finally:
+        del os.environ[CHECKPOINT_TIMEOUT_ENV]
+    return result
+
+
 def slow_writer(args: argparse.Namespace) -> Dict[str, Any]:
     """With ``PL_CHECKPOINT_TIMEOUT`` set to ``--timeout`` seconds for this scenario (read when ``fit`` sets up its
     checkpoint group), rank 1 stalls in its ``pwrite`` of a shard for ``--stall`` seconds; then the ranks validate
@@ -407,7 +451,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--writers", choices=["rank0", "all", "default"], default="all")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
-    parser.add_argument("--timeout", type=float, default=2.0, help="PL_CHECKPOINT_TIMEOUT of slow_writer")
+    parser.add_argument(
+        "--timeout", type=float, default=2.0, help="PL_CHECKPOINT_TIMEOUT of slow_writer and async_killed_while_writing"
+    )
     parser.add_argument("--stall", type=float, default=5.0, help="seconds rank 1 stalls in slow_writer")
 
 
@@ -421,6 +467,7 @@ if __name__ == "__main__":
             "async_equals_gathered": async_equals_gathered,
             "async_fails_while_writing": async_fails_while_writing,
             "killed_while_writing": killed_while_writing,
+            "async_killed_while_writing": async_killed_while_writing,
             "slow_writer": slow_writer,
         },
         add_arguments,

@@ -5,12 +5,12 @@ The file must be the one the gathered save writes (``stream_checkpoint=False``),
 and Adam, tied weights, parameters outside FSDP, and shards that end inside tensors and inside 4 KiB blocks; the
 ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1,
 and one written on 1 rank resumes on 2; a full disk, a file that cannot be opened or an allocation that fails on rank
-1 raises on every rank and keeps the previous file, and so do a rank 1 that stalls in its writes
-past ``PL_CHECKPOINT_TIMEOUT`` and one killed in them. With ``async_checkpoint=True`` saves in the background write
-every rank's own shards from their writer threads and gather nothing; a full disk there raises as above. The
-default (``"auto"``) writes as ``"all"`` on 2 ranks sharing the directory and as ``"rank0"`` in one process. Scenarios
-in ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in three launches (2
-ranks, 1, 2 again: the last one ends with the killed rank).
+1 raises on every rank and keeps the previous file, and so do a rank 1 that stalls in its writes past
+``PL_CHECKPOINT_TIMEOUT`` and one killed in them (also in the background). With ``async_checkpoint=True`` saves in
+the background write every rank's own shards from their writer threads and gather nothing; a full disk there raises
+as above. The default (``"auto"``) writes as ``"all"`` on 2 ranks sharing the directory and as ``"rank0"`` in one
+process. Scenarios in ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in
+three launches (2 ranks, 1, 2 again), each of the 2-rank ones ending with a case that kills rank 1.
 """
 import json
 from pathlib import Path
@@ -84,6 +84,9 @@ def parallel_runs(tmp_path_factory) -> ScenarioBatches:
         batches.batch("two", 2).add(scenario, scenario, "--writers", WRITERS, "--width", 72)
     slow = ["--timeout", SLOW_TIMEOUT, "--stall", SLOW_STALL]
     batches.batch("two", 2).add("slow_writer", "slow_writer", "--writers", WRITERS, "--width", 72, *slow)
+    # rank 1 is gone after it: the last case of its batch
+    killed = ["--writers", WRITERS, "--width", 72, "--timeout", KILLED_TIMEOUT]
+    batches.batch("two", 2).add("async_killed", "async_killed_while_writing", *killed, fails=True)
     return batches
 
 
@@ -256,6 +259,24 @@ def test_rank_killed_while_writing_its_shards(parallel_runs):
     assert not (out / "rank1.json").exists(), "rank 1 was not killed"
     rank0 = json.loads((out / "rank0.json").read_text())
     assert "failed on global rank 1: it did not reach the ranks' next exchange" in (rank0["raised"] or ""), rank0
+    assert f"`PL_CHECKPOINT_TIMEOUT` ({KILLED_TIMEOUT} s)" in rank0["raised"]
+    assert rank0["raised_time"] - _fault_time(out) < 10
+    assert rank0["unchanged"] is True
+    assert rank0["temporary_files"] == [] and not list(out.glob("*.tmp"))
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_rank_killed_while_writing_its_shards_in_the_background(parallel_runs):
+    """As above, with ``async_checkpoint=True``: rank 1 is killed in its writer thread's ``pwrite`` of a shard of a
+    save in the background; rank 0's ``wait_for_checkpoint`` raises a ``CheckpointError`` naming rank 1 within
+    seconds (not gloo's bare error naming no rank), the previous file is untouched and no temporary file is left."""
+    result, out = parallel_runs.failure("async_killed"), parallel_runs.folder("async_killed")
+    assert not result.timed_out, result.output[-8000:]
+    assert not (out / "rank1.json").exists(), "rank 1 was not killed"
+    rank0 = json.loads((out / "rank0.json").read_text())
+    assert rank0["in_background"] == [True], rank0
+    expected = "in the background failed on global rank 1: it did not reach the ranks' next exchange"
+    assert expected in (rank0["raised"] or ""), rank0
     assert f"`PL_CHECKPOINT_TIMEOUT` ({KILLED_TIMEOUT} s)" in rank0["raised"]
     assert rank0["raised_time"] - _fault_time(out) < 10
     assert rank0["unchanged"] is True

@@ -95,12 +95,14 @@ _STORE_PREFIX = "pl_checkpoint_writers"
 
 @contextmanager
 def _naming_lost_ranks(
-    strategy: "DDPFullyShardedStrategy", guard: _CollectiveGuard, save: Optional[str]
+    strategy: "DDPFullyShardedStrategy", guard: _CollectiveGuard, save: Optional[str], close_group: bool = True
 ) -> Generator[None, None, None]:
     """Within the block, each exchange of ``guard`` marks this rank's arrival first; an exchange (or another
     collective) that fails raises :class:`_PeerLost` naming the ranks that did not arrive, once the checkpoint group
-    is closed. The block's own failures are recorded in ``guard`` (``guard.catch()``), so what escapes it is a
-    failed collective. ``save`` names the save on every rank (its temporary file); ``None``: nothing to name."""
+    is closed (``close_group``; a save in the background leaves it open: its writer thread uses a group of its own,
+    which every rank drops when it waits for the save). The block's own failures are recorded in ``guard``
+    (``guard.catch()``), so what escapes it is a failed collective. ``save`` names the save on every rank (its
+    temporary file); ``None``: nothing to name."""
     if save is None or not torch.distributed.is_initialized() or strategy.world_size < 2:
         yield
         return
@@ -112,8 +114,9 @@ def _naming_lost_ranks(
         raise
     except Exception as ex:
         lost = arrivals.lost(ex)
-        # the ranks still waiting in the group, or arriving later, fail at once instead of after its timeout
-        _close_checkpoint_process_group(strategy, f"a rank was lost while the ranks wrote a checkpoint ({lost})")
+        if close_group:
+            # the ranks still waiting in the group, or arriving later, fail at once instead of after its timeout
+            _close_checkpoint_process_group(strategy, f"a rank was lost while the ranks wrote a checkpoint ({lost})")
         raise lost from ex
     finally:
         guard.before_exchange = None

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, TYPE_
 import torch
 
 from pytorch_lightning.strategies.fsdp_async_checkpoint import (
+    _BackgroundSave,
     _BackgroundWork,
     _HostCopies,
     _saves_in_background,
@@ -209,9 +210,15 @@ def _copy_own_writes(
     writes = _own_writes(strategy, stream, table)
     copies = {source: pool.copy(tensor) for source, tensor in writes.sources.items()}
     writes = writes._replace(sources=copies)
-    return _BackgroundWork(
-        list(copies.values()), lambda job: _write_planned(writes, job.guard, job.group, torch.device("cpu"))
-    )
+
+    def write(job: _BackgroundSave) -> None:
+        # a rank lost in the exchanges (its own or the final agreement) is named, as in a synchronous save:
+        # ``wait_for_checkpoint`` raises the ``_PeerLost`` on every rank without another exchange
+        with _naming_lost_ranks(strategy, job.guard, writes.path, close_group=False):
+            _write_planned(writes, job.guard, job.group, torch.device("cpu"))
+            job.guard.settle()
+
+    return _BackgroundWork(list(copies.values()), write)
 
 
 def _write_planned(writes: _OwnWrites, guard: _CollectiveGuard, group: Optional[Any], device: torch.device) -> None:
