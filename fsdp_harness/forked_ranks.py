@@ -15,6 +15,14 @@ would (the README's quick start, the standalone script, the upstream PR's tests,
 
 The driver exits with rank 0's status (a signal's as ``-signal`` through the same signal), as ``python -m <module>``
 exits with rank 0's: the harness gives the other ranks, in the driver's process group, their grace and kills them.
+
+What a forked rank shares with the others that fresh interpreters would not: the hash seed of ``str`` (so ``hash``,
+and the iteration order of sets of strings, are the same on every rank: code that orders collectives by a set's
+order would pass here and hang across nodes), the driver's ``OPENBLAS_NUM_THREADS=1`` (a process with threads must
+not fork), and what the scenario module's code did at import in the driver (it runs again as ``__main__`` in each
+rank: a scenario module must not patch, register handlers or start anything at import). And Lightning's launcher,
+not used here, has its own behaviour on a failed ``fit`` (``reconciliate_processes``). Before a release the suite
+also runs with ``PL_HARNESS_LAUNCHER=lightning`` (CONTRIBUTING.md), every rank a fresh interpreter.
 """
 import argparse
 import gc

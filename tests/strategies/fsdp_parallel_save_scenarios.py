@@ -350,12 +350,28 @@ def stopping_rank_1_in_pwrite(trainer: Trainer, out: Any, stop: Callable[[], Non
         yield
 
 
+@contextmanager
+def stopping_rank_1_in_exchange(trainer: Trainer, out: Any, stop: Callable[[], None]) -> Iterator[None]:
+    """On global rank 1, the exchange of the block-boundary bytes writes the time to ``out/fault_time`` and calls
+    ``stop()`` (which kills the rank) before it sends or receives anything."""
+    run = fsdp_parallel_save._BlockExchange.run
+
+    def stopping(exchange: Any, group: Any) -> None:
+        (out / "fault_time").write_text(repr(time.time()))
+        stop()
+        run(exchange, group)
+
+    patched = mock.patch.object(fsdp_parallel_save._BlockExchange, "run", stopping)
+    with patched if trainer.global_rank == 1 else mock.patch.dict({}):
+        yield
+
+
 def saves_over_it_with_rank_1_stopped(
-    args: argparse.Namespace, stop: Callable[[], None]
+    args: argparse.Namespace, stop: Callable[[], None], where: Callable[..., Any] = stopping_rank_1_in_pwrite
 ) -> Tuple[Dict[str, Any], Trainer, Any]:
     """Fit and save ``last.ckpt``; change the weights and save over it while rank 1 is stopped in its ``pwrite``
-    (see :func:`stopping_rank_1_in_pwrite`); the record: what this rank raised and when, and on rank 0 whether the
-    file is unchanged and which temporary files are left."""
+    (see :func:`stopping_rank_1_in_pwrite`), or ``where`` says; the record: what this rank raised and when, and on
+    rank 0 whether the file is unchanged and which temporary files are left."""
     trainer, model = fit(args, epochs=1)
     path = args.out / "last.ckpt"
     trainer.save_checkpoint(path)
@@ -364,7 +380,7 @@ def saves_over_it_with_rank_1_stopped(
         for p in model.parameters():
             p.add_(1.0)
     result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": None}
-    with stopping_rank_1_in_pwrite(trainer, args.out, stop):
+    with where(trainer, args.out, stop):
         try:
             trainer.save_checkpoint(path)
         except CheckpointError as ex:
@@ -378,8 +394,10 @@ def saves_over_it_with_rank_1_stopped(
 
 def killed_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
     """Rank 1 is killed (SIGKILL) in its ``pwrite`` of a shard into the temporary file of a save over a previous
-    checkpoint; rank 0 goes on alone and records what it raised."""
-    result, _, _ = saves_over_it_with_rank_1_stopped(args, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    checkpoint (``--in-exchange``: in the exchange of the block-boundary bytes, before it); rank 0 goes on alone and
+    records what it raised."""
+    where = stopping_rank_1_in_exchange if args.in_exchange else stopping_rank_1_in_pwrite
+    result, _, _ = saves_over_it_with_rank_1_stopped(args, lambda: os.kill(os.getpid(), signal.SIGKILL), where)
     return result
 
 
@@ -450,6 +468,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--writers", choices=["rank0", "all", "default"], default="all")
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--in-exchange", action="store_true", help="killed_while_writing: kill in the exchange")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument(
         "--timeout", type=float, default=2.0, help="PL_CHECKPOINT_TIMEOUT of slow_writer and async_killed_while_writing"

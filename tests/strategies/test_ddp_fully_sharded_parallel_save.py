@@ -10,7 +10,7 @@ and one written on 1 rank resumes on 2; a full disk, a file that cannot be opene
 the background write every rank's own shards from their writer threads and gather nothing; a full disk there raises
 as above. The default (``"auto"``) writes as ``"all"`` on 2 ranks sharing the directory and as ``"rank0"`` in one
 process. Scenarios in ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in
-three launches (2 ranks, 1, 2 again), each of the 2-rank ones ending with a case that kills rank 1.
+four launches (2 ranks, 1, 2 again twice), each of the 2-rank ones ending with a case that kills rank 1.
 """
 import json
 from pathlib import Path
@@ -31,8 +31,9 @@ BLOCK = 4096
 EQUALS = [("tied", "wrap", "sgd", 72), ("plain", "auto_wrap", "adam", 16), ("tied", "wrap", "adam", 72)]
 # saved in the background (``async_checkpoint=True``): SGD momentum and Adam, parameters inside and outside FSDP
 ASYNC_EQUALS = [EQUALS[0], EQUALS[2]]
-# "later": 2 ranks again, after "one", to resume a file written on 1 rank; then rank 1 is killed
-BATCHES = {"two": (2, 420), "one": (1, 180), "later": (2, 180)}
+# "later": 2 ranks again, after "one", to resume a file written on 1 rank; then rank 1 is killed; "exchange": rank
+# 1 killed in another place (each 2-rank batch ends with a case that kills rank 1)
+BATCHES = {"two": (2, 420), "one": (1, 180), "later": (2, 180), "exchange": (2, 120)}
 #: ``PL_CHECKPOINT_TIMEOUT`` of the "later" batch: the killed rank must be named long before it
 KILLED_TIMEOUT = 30
 BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
@@ -62,7 +63,7 @@ def _options(model: str, wrapping: str, optimizer: str, width: int) -> List[str]
 def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("parallel"))
     for name, (devices, timeout) in BATCHES.items():
-        env = {"PL_CHECKPOINT_TIMEOUT": str(KILLED_TIMEOUT)} if name == "later" else None
+        env = {"PL_CHECKPOINT_TIMEOUT": str(KILLED_TIMEOUT)} if name in ("later", "exchange") else None
         batches.batch(name, devices, timeout, env)
     for case in EQUALS:
         batches.batch("two", 2).add(_case(*case), "parallel_equals_gathered", *_options(*case))
@@ -73,6 +74,9 @@ def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     one = batches.batch("one", 1).add(f"one-{_case(*EQUALS[2])}", "parallel_equals_gathered", *_options(*EQUALS[2]))
     batches.batch("later", 2).add("resume-1-2", "resume", *_options(*EQUALS[2]), "--ckpt", one / "parallel.ckpt")
     batches.batch("later", 2).add("killed", "killed_while_writing", "--writers", WRITERS, "--width", 72, fails=True)
+    batches.batch("exchange", 2).add(
+        "killed_in_exchange", "killed_while_writing", "--writers", WRITERS, "--width", 72, "--in-exchange", fails=True
+    )
     # the strategy's default checkpoint_writers, on a directory every rank shares, and in a single process
     default = ["--model", "tied", "--width", "72", "--writers", "default"]
     for name, devices in (("two", 2), ("one", 1)):
@@ -248,12 +252,13 @@ def test_slow_rank_fails_the_save_within_the_checkpoint_timeout(parallel_runs):
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)
-def test_rank_killed_while_writing_its_shards(parallel_runs):
-    """Rank 1 is killed (SIGKILL) in its ``pwrite`` of a shard of a save over a previous checkpoint: rank 0 raises a
-    ``CheckpointError`` naming rank 1 within seconds (gloo sees the closed connection; ``PL_CHECKPOINT_TIMEOUT`` is
-    30 s here), the previous file is untouched, and rank 0 removes the temporary file. The last case of its batch:
-    rank 1 is gone after it."""
-    result, out = parallel_runs.failure("killed"), parallel_runs.folder("killed")
+@pytest.mark.parametrize("case", ["killed", "killed_in_exchange"])
+def test_rank_killed_while_writing_its_shards(parallel_runs, case):
+    """Rank 1 is killed (SIGKILL) in its ``pwrite`` of a shard of a save over a previous checkpoint, or in the
+    exchange of the block-boundary bytes before it: rank 0 raises a ``CheckpointError`` naming rank 1 within seconds
+    (gloo sees the closed connection; ``PL_CHECKPOINT_TIMEOUT`` is 30 s here), the previous file is untouched, and
+    rank 0 removes the temporary file. Each is the last case of its batch: rank 1 is gone after it."""
+    result, out = parallel_runs.failure(case), parallel_runs.folder(case)
     assert not result.timed_out, result.output[-8000:]
     assert result.returncode == 0, f"rank 0 did not finish:\n{result.output[-8000:]}"
     assert not (out / "rank1.json").exists(), "rank 1 was not killed"

@@ -223,17 +223,21 @@ def _copy_own_writes(
 
 def _write_planned(writes: _OwnWrites, guard: _CollectiveGuard, group: Optional[Any], device: torch.device) -> None:
     """Send the bytes of ``writes`` in blocks other ranks own to them over ``group`` (through ``device``), receive
-    theirs in the blocks this rank owns, then write this rank's parts, ``fdatasync`` and close. A failure of this
-    rank's own work (its buffers, its writes) is recorded in ``guard``: the ranks agree before the exchange, so a
-    rank that cannot allocate its buffers says so there, and is not taken for a lost rank. A failure of the exchange
-    itself (a rank died or is slower than the group's timeout) propagates. Collective over ``group``."""
+    theirs in the blocks this rank owns, then write this rank's parts, ``fdatasync`` and close. A failure is recorded
+    in ``guard``, for the ranks' next agreement (the caller's ``settle``). The ranks agree before the exchange, so a
+    rank that cannot allocate its buffers says so there and is not taken for a lost rank; a rank that dies in the
+    exchange does not reach the next agreement, which names it (see ``_naming_lost_ranks``). Collective over
+    ``group``."""
     exchange = None
     with guard.catch():
         sources = {source: tensor.detach().reshape(-1).view(torch.uint8) for source, tensor in writes.sources.items()}
         exchange = _BlockExchange.prepare(writes.rank, writes.parts, sources, device)
     if not guard.agree():
         return
-    exchange.run(group)
+    with guard.catch():
+        exchange.run(group)
+    if guard.failed:
+        return
     with guard.catch():
         with _RankFile(writes.path) as file:
             for owner, extent in writes.parts:
