@@ -1,9 +1,11 @@
 """Start the ranks of a scenario launch as forks of one interpreter that has imported torch, Lightning and FairScale.
 
 ``python -m fsdp_harness.forked_ranks --ranks N <module> <args...>`` imports the scenario module (and with it
-everything it needs), then forks N ranks. Each rank gets an external launcher's environment, as ``torchrun`` or
-Slurm's ``srun`` start ranks (``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning
-starts no processes of its own, and runs ``<module>`` as ``__main__`` with ``<args>``, then exits as a script does:
+everything it needs), then forks N ranks; ``--plan FILE`` runs several such launches of the module one after the
+other from the same driver (the batches of one test module, :class:`fsdp_harness.runner.ScenarioBatches`). Each
+rank gets an external launcher's environment, as ``torchrun`` or Slurm's ``srun`` start ranks (``LOCAL_RANK``,
+``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning starts no processes of its own, and runs ``<module>``
+as ``__main__`` with ``<args>``, then exits as a script does:
 the interpreter finalizes, running the exit hooks.
 
 Why: an interpreter costs 3.5-4 s of CPU to import torch and Lightning, and a 2-rank launch of
@@ -25,19 +27,30 @@ not used here, has its own behaviour on a failed ``fit`` (``reconciliate_process
 also runs with ``PL_HARNESS_LAUNCHER=lightning`` (CONTRIBUTING.md), every rank a fresh interpreter.
 """
 import argparse
+import ctypes
 import gc
 import importlib
+import json
 import os
 import runpy
 import signal
 import socket
 import sys
 import threading
-from typing import List, NoReturn
+import time
+from pathlib import Path
+from typing import Dict, List, NoReturn, Optional
 
 #: ``fork`` (the default): scenario launches of more than one rank fork them from this driver; ``lightning``: they
 #: run ``python -m <module>`` and Lightning's launcher starts ranks >= 1.
 LAUNCHER_ENV = "PL_HARNESS_LAUNCHER"
+
+
+PR_SET_PDEATHSIG = 1
+
+#: Environment variables read when a process starts (glibc's malloc tunables, the dynamic loader, Python itself,
+#: the BLAS and OpenMP pools as their libraries load): a forked rank cannot be given its own, it has the driver's.
+AT_EXEC = ("MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON", "OMP_", "OPENBLAS_", "MKL_")
 
 
 def forks_ranks(devices: int) -> bool:
@@ -55,8 +68,10 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
 
 
-def _run_rank(rank: int, ranks: int, port: int, module: str, args: List[str]) -> NoReturn:
-    """The body of a forked rank: the environment an external launcher gives it, then the module as a script."""
+def _run_rank(rank: int, ranks: int, port: int, module: str, args: List[str], env: Dict[str, str]) -> NoReturn:
+    """The body of a forked rank: ``env``, the environment an external launcher gives it, then the module as a
+    script."""
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks)
     )
@@ -84,12 +99,71 @@ def _exit_as(status: int) -> NoReturn:
     sys.exit(os.waitstatus_to_exitcode(status))
 
 
+def _fork_ranks(
+    ranks: int, module: str, args: List[str], env: Optional[Dict[str, str]] = None, own_group: bool = False
+) -> List[int]:
+    """Fork ``ranks`` ranks running ``module`` with ``args`` and the extra environment ``env`` (none of it read when
+    a process starts: see ``AT_EXEC``); their pids, rank 0's first.
+
+    ``own_group``: the ranks form a process group of their own, led by rank 0, as the ranks of one ``python -m``
+    launch do (a scenario that kills ``os.getpgrp()`` kills them, not the driver, which runs the next launch of its
+    plan), and each dies with the driver (``PR_SET_PDEATHSIG``): the harness kills the driver's group on timeout."""
+    port = _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    driver, pids = os.getpid(), []
+    for rank in range(ranks):
+        pid = os.fork()
+        if pid == 0:
+            if own_group:
+                try:
+                    os.setpgid(0, pids[0] if pids else 0)
+                except OSError:
+                    pass  # rank 0 is gone already: this rank stays in the driver's group
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                if os.getppid() != driver:  # the driver died before the request
+                    os._exit(1)
+            _run_rank(rank, ranks, port, module, args, env or {})
+        if own_group:
+            try:  # also here, so that the group exists before the next rank joins it, whichever runs first
+                os.setpgid(pid, pids[0] if pids else pid)
+            except OSError:
+                pass  # the child did it already
+        pids.append(pid)
+    return pids
+
+
+def _run_batch(ranks: int, module: str, args: List[str], env: Dict[str, str], grace: float) -> int:
+    """One launch of a plan (see :func:`main`): its ranks, then rank 0's exit code once every rank is gone (the
+    others get ``grace`` seconds after rank 0 exited, as the harness gives a launch's ranks, then are killed)."""
+    pids = _fork_ranks(ranks, module, args, env, own_group=True)
+    _, status = os.waitpid(pids[0], 0)
+    deadline = time.monotonic() + grace
+    for pid in pids[1:]:
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.05)
+    return os.waitstatus_to_exitcode(status)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--ranks", type=int, help="fork this many ranks and exit as rank 0 does")
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        help="a JSON list of launches, run one after the other: {ranks, args, env, status}; each one's rank 0 exit code"
+        " and seconds are written to its status file (JSON), the next starts once every rank of the last is gone",
+    )
+    parser.add_argument("--grace", type=float, default=15, help="--plan: seconds ranks >= 1 may outlive rank 0")
     parser.add_argument("module")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args()
+    if (options.ranks is None) == (options.plan is None):
+        parser.error("give one of --ranks and --plan")
     # everything a rank imports, imported once here; a rank re-runs only the module's own code
     importlib.import_module(options.module)
     # a process with other threads must not fork: they would be missing in the ranks, holding what they held
@@ -99,17 +173,15 @@ def main() -> None:
         )
     # the ranks' garbage collector then leaves the imported modules' pages shared instead of copying them
     gc.freeze()
-    port = _free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pids = []
-    for rank in range(options.ranks):
-        pid = os.fork()
-        if pid == 0:
-            _run_rank(rank, options.ranks, port, options.module, options.args)
-        pids.append(pid)
-    _, status = os.waitpid(pids[0], 0)
-    _exit_as(status)
+    if options.ranks is not None:
+        pids = _fork_ranks(options.ranks, options.module, options.args)
+        _, status = os.waitpid(pids[0], 0)
+        _exit_as(status)
+    for launch in json.loads(options.plan.read_text()):
+        start = time.monotonic()
+        code = _run_batch(launch["ranks"], options.module, launch["args"], launch.get("env", {}), options.grace)
+        status = {"returncode": code, "seconds": time.monotonic() - start}
+        Path(launch["status"]).write_text(json.dumps(status))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
-from fsdp_harness.forked_ranks import forks_ranks
+from fsdp_harness.forked_ranks import AT_EXEC, forks_ranks
 from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
 from fsdp_harness.scenario import BATCH, read_results
 
@@ -92,6 +92,8 @@ class ScenarioBatch:
         self._first: Optional[str] = None
         self._failing: Optional[str] = None
         self._result: Optional[ScriptResult] = None
+        #: the batches this one is launched with, in one driver, where they can share one
+        self._together: Optional["ScenarioBatches"] = None
 
     def add(self, case: str, scenario: str, *args: Any, first: bool = False, fails: bool = False) -> Path:
         """Queue ``case``: ``scenario`` with ``args``; returns its out folder.
@@ -125,6 +127,8 @@ class ScenarioBatch:
         """Launch every queued case once (later calls return the first launch's result)."""
         if self._result is None and not self._cases:
             self._result = ScriptResult(0, "", 0.0, False)  # nothing selected: no launch
+        if self._result is None and self._together is not None:
+            self._together.launch_together()
         if self._result is None:
             self.root.mkdir(parents=True, exist_ok=True)
             cases = self.root / "batch.json"
@@ -199,7 +203,8 @@ class CasePlans:
 class ScenarioBatches:
     """Batches of one module that run in the order they were created, for cases that need another world size's
     files (a checkpoint saved on 2 ranks and resumed on 1): the results of a case launch its batch and every batch
-    before it, once each. Case names are unique across the batches.
+    before it, once each; where ranks are forked, every batch at once, from one driver (:meth:`launch_together`).
+    Case names are unique across the batches.
 
     Args:
         module: the scenario module (``python -m`` name).
@@ -216,9 +221,51 @@ class ScenarioBatches:
         """The batch ``name``, created (after every batch created so far) on first use."""
         if name not in self._batches:
             self._batches[name] = ScenarioBatch(self.module, self.root / name, devices, timeout, env)
+            self._batches[name]._together = self
         batch = self._batches[name]
         assert batch.devices == devices, f"batch {name!r} runs on {batch.devices} ranks, not {devices}"
         return batch
+
+    def launch_together(self) -> None:
+        """Launch every batch that has cases and has not run, one after the other in their order, from ONE driver
+        that imported the module once (``fsdp_harness.forked_ranks --plan``): each batch's ranks are forked from it,
+        and each gets its own :class:`ScriptResult` (the output is the driver's, for all of them). Only where ranks
+        are forked and the batches have the same environment read when a process starts (``AT_EXEC`` of
+        :mod:`fsdp_harness.forked_ranks`: the driver's; the rest of each batch's, its ranks get); otherwise the
+        batches launch one by one (:meth:`ScenarioBatch.run`)."""
+        pending = [batch for batch in self._batches.values() if batch._result is None and batch._cases]
+        at_exec = [{k: v for k, v in (batch.env or {}).items() if k.startswith(AT_EXEC)} for batch in pending]
+        if len(pending) < 2 or not forks_ranks(2) or any(env != at_exec[0] for env in at_exec):
+            for batch in pending:
+                batch._together = None
+            return
+        plan = []
+        for batch in pending:
+            batch.root.mkdir(parents=True, exist_ok=True)
+            cases, status = batch.root / "batch.json", batch.root / "status.json"
+            cases.write_text(json.dumps(batch._ordered(), indent=1))
+            status.unlink(missing_ok=True)
+            env = {k: v for k, v in (batch.env or {}).items() if not k.startswith(AT_EXEC)}
+            plan.append(
+                {"ranks": batch.devices, "args": [BATCH, "--cases", str(cases)], "env": env, "status": str(status)}
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "plan.json").write_text(json.dumps(plan, indent=1))
+        grace = max(batch.grace for batch in pending)
+        result = run_module(
+            "fsdp_harness.forked_ranks",
+            ["--plan", str(self.root / "plan.json"), "--grace", str(grace), self.module],
+            timeout=sum(batch.timeout for batch in pending),
+            grace=grace,
+            env={"OPENBLAS_NUM_THREADS": "1", **at_exec[0]},
+        )
+        for batch in pending:
+            status = batch.root / "status.json"
+            if status.exists():
+                ended = json.loads(status.read_text())
+                batch._result = ScriptResult(ended["returncode"], result.output, ended["seconds"], False)
+            else:  # the driver failed, or timed out, before this batch ended
+                batch._result = ScriptResult(result.returncode or 1, result.output, result.seconds, result.timed_out)
 
     def _holding(self, case: str) -> ScenarioBatch:
         holding = [batch for batch in self._batches.values() if case in batch]

@@ -4,6 +4,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict
 
@@ -25,6 +26,8 @@ def who(args: argparse.Namespace) -> Dict[str, Any]:
         "driver": [part.decode() for part in driver if part],
         "lightning_imported_by_driver": _DRIVER_IMPORTED_LIGHTNING,
         "master": [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")],
+        "driver_pid": os.getppid(),
+        "value": os.environ.get("PL_HARNESS_TEST_VALUE"),
     }
 
 
@@ -35,9 +38,16 @@ def killed_on_rank_0(args: argparse.Namespace) -> Dict[str, Any]:
     return {}
 
 
+def hang(args: argparse.Namespace) -> Dict[str, Any]:
+    """Write this rank's pid to ``pid<rank>``, then sleep past any test's timeout."""
+    (args.out / f"pid{global_rank()}").write_text(str(os.getpid()))
+    time.sleep(600)
+    return {}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--value", default="")
 
 
 if __name__ == "__main__":
-    main({"who": who, "killed_on_rank_0": killed_on_rank_0}, add_arguments)
+    main({"who": who, "killed_on_rank_0": killed_on_rank_0, "hang": hang}, add_arguments)

@@ -1,12 +1,15 @@
 """``fsdp_harness.runner``: a batch runs its cases in order in one launch, each test reads its own case, a failing
 case names its error and stops the batch, and the cases after it say so; the ranks of a launch of several are forks
-of one driver (``fsdp_harness.forked_ranks``)."""
+of one driver (``fsdp_harness.forked_ranks``), and the batches of one module too."""
+import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
 from fsdp_harness.forked_ranks import forks_ranks, LAUNCHER_ENV
-from fsdp_harness.runner import launch, ScenarioBatch
+from fsdp_harness.runner import launch, ScenarioBatch, ScenarioBatches
 
 MODULE = "tests.fork.runner_scenarios"
 
@@ -62,3 +65,43 @@ def test_ranks_are_forked_from_one_interpreter_as_an_external_launcher_starts_th
     killed = launch(FORKED, "killed_on_rank_0", tmp_path / "killed", "--value", "SIGTERM", timeout=120, grace=5)
     assert killed.returncode == -signal.SIGTERM, killed.output[-4000:]
     assert (tmp_path / "killed" / "rank1.json").exists()
+
+
+@pytest.mark.skipif(not forks_ranks(2), reason=f"{LAUNCHER_ENV} sends scenario launches through Lightning's launcher")
+@pytest.mark.timeout(180)
+def test_the_batches_of_a_module_are_forked_from_one_driver(tmp_path):
+    """Batches of several world sizes, with their own environments, run one after the other from one driver
+    (``--plan``): each batch's ranks get their batch's environment, and each batch its own result."""
+    batches = ScenarioBatches(FORKED, tmp_path)
+    batches.batch("two", 2, 120, env={"PL_HARNESS_TEST_VALUE": "a"}).add("who-2", "who")
+    batches.batch("one", 1, 120, env={"PL_HARNESS_TEST_VALUE": "b"}).add("who-1", "who")
+    two, (one,) = batches.results("who-2"), batches.results("who-1")
+    assert two[0]["driver"][1:5] == ["-m", "fsdp_harness.forked_ranks", "--plan", str(tmp_path / "plan.json")]
+    assert two[0]["driver_pid"] == two[1]["driver_pid"] == one["driver_pid"]
+    assert [r["value"] for r in two] == ["a", "a"] and one["value"] == "b"
+    assert [r["local_rank"] for r in (*two, one)] == ["0", "1", "0"]
+
+
+@pytest.mark.skipif(not forks_ranks(2), reason=f"{LAUNCHER_ENV} sends scenario launches through Lightning's launcher")
+@pytest.mark.timeout(120)
+def test_ranks_of_batches_sharing_a_driver_die_with_it(tmp_path):
+    """A hung batch of a shared driver times out: the harness kills the driver's process group, and the ranks, in a
+    process group of their own, die with the driver (``PR_SET_PDEATHSIG``) instead of outliving the test."""
+    batches = ScenarioBatches(FORKED, tmp_path)
+    batches.batch("two", 2, 10).add("hang", "hang")
+    batches.batch("one", 1, 10).add("after", "who")
+    with pytest.raises(AssertionError, match="timed out"):
+        batches.results("hang")
+    pids = [int((tmp_path / "two" / "hang" / f"pid{rank}").read_text()) for rank in range(2)]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"  # a zombie is dead

@@ -16,11 +16,13 @@ from tests.helpers.runif import RunIf
 
 SCENARIOS = "tests.strategies.fsdp_resume_scenarios"
 # the batches of ``resume_runs``, in launch order: world size, timeout and the ranks' extra environment. glibc returns
-# freed large blocks to the OS, for ``test_consolidation_memory_on_other_ranks``'s peak of live memory.
+# freed large blocks to the OS, for ``test_consolidation_memory_on_other_ranks``'s peak of live memory; glibc reads
+# it when a process starts, so every batch has it, and the batches can share one driver that forks their ranks.
+RETURN_FREED_BLOCKS = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 BATCHES = {
-    "one": (1, 180, {}),
-    "two": (2, 420, {"MALLOC_MMAP_THRESHOLD_": "65536"}),
-    "one_after_two": (1, 120, {}),
+    "one": (1, 180, RETURN_FREED_BLOCKS),
+    "two": (2, 420, RETURN_FREED_BLOCKS),
+    "one_after_two": (1, 120, RETURN_FREED_BLOCKS),
 }
 # a test that reads ``resume_runs`` may be the one that launches every batch
 BATCHES_TIMEOUT = sum(timeout for _, timeout, _ in BATCHES.values()) + 60
