@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ if not __package__:
 from fsdp_benchmarks import builds as lightning_builds  # noqa: E402
 from fsdp_benchmarks import configs as registry  # noqa: E402
 from fsdp_benchmarks import report  # noqa: E402
-from fsdp_harness.multiprocess import ScriptResult, run_module, run_tasks  # noqa: E402
+from fsdp_harness.multiprocess import free_port, ScriptResult, run_module, run_tasks  # noqa: E402
 
 MMAP_THRESHOLD = "65536"
 
@@ -161,16 +160,10 @@ def start_ranks(
     ``torchrun`` would, with the usual ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables."""
     if config.lightning:
         return run_module("fsdp_benchmarks.worker", worker_args, timeout=timeout, env=env, path_first=build.path_first)
-    shared = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    shared = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
               "WORLD_SIZE": str(world_size)}
     envs = [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world_size)]
     return run_tasks("fsdp_benchmarks.worker", [config.scenario, *worker_args[1:]], envs, timeout=timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fit_one(

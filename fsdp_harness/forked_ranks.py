@@ -8,7 +8,7 @@ rank gets an external launcher's environment, as ``torchrun`` or Slurm's ``srun`
 as ``__main__`` with ``<args>``, then exits as a script does:
 the interpreter finalizes, running the exit hooks.
 
-Why: an interpreter costs 3.5-4 s of CPU to import torch and Lightning, and a 2-rank launch of
+Why: an interpreter costs 4-5.5 s of CPU on CI's machine to import torch and Lightning, and a 2-rank launch of
 ``python -m <module>`` pays that twice (Lightning's launcher re-runs the command line for rank 1). Most of the suite's
 launches are 2-rank scenario batches on the 2 cores of CI; forking the ranks of an imported interpreter pays it once.
 Lightning's own launcher (``_SubprocessScriptLauncher``) still runs in the tests that run a user's script as the user
@@ -34,17 +34,17 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Dict, List, NoReturn, Optional
 
+from fsdp_harness.multiprocess import free_port
+
 #: ``fork`` (the default): scenario launches of more than one rank fork them from this driver; ``lightning``: they
 #: run ``python -m <module>`` and Lightning's launcher starts ranks >= 1.
 LAUNCHER_ENV = "PL_HARNESS_LAUNCHER"
-
 
 PR_SET_PDEATHSIG = 1
 
@@ -58,10 +58,10 @@ def forks_ranks(devices: int) -> bool:
     return devices > 1 and os.environ.get(LAUNCHER_ENV, "fork") == "fork"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def driver_environment(env: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """The extra environment of a driver started with ``env``: numpy's OpenBLAS pool would give it threads, and a
+    process with threads must not fork."""
+    return {"OPENBLAS_NUM_THREADS": "1", **(env or {})}
 
 
 def _threads() -> int:
@@ -108,7 +108,7 @@ def _fork_ranks(
     ``own_group``: the ranks form a process group of their own, led by rank 0, as the ranks of one ``python -m``
     launch do (a scenario that kills ``os.getpgrp()`` kills them, not the driver, which runs the next launch of its
     plan), and each dies with the driver (``PR_SET_PDEATHSIG``): the harness kills the driver's group on timeout."""
-    port = _free_port()
+    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     driver, pids = os.getpid(), []

@@ -6,6 +6,7 @@ the timeout expires the whole group (every rank) is killed: a hang fails the tes
 """
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,13 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a job's ``MASTER_PORT``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ScriptResult(NamedTuple):

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
-from fsdp_harness.forked_ranks import AT_EXEC, forks_ranks
+from fsdp_harness.forked_ranks import AT_EXEC, driver_environment, forks_ranks
 from fsdp_harness.multiprocess import ScriptResult, assert_success, run_module
 from fsdp_harness.scenario import BATCH, read_results
 
@@ -33,10 +33,8 @@ def _run_ranks(
     (:mod:`fsdp_harness.forked_ranks`) where there are several, else as it is."""
     if not forks_ranks(devices):
         return run_module(module, argv, timeout=timeout, grace=grace, env=env)
-    # numpy's OpenBLAS pool would give the driver threads, and a process with threads must not fork
-    env = {"OPENBLAS_NUM_THREADS": "1", **(env or {})}
     argv = ["--ranks", str(devices), module, *argv]
-    return run_module("fsdp_harness.forked_ranks", argv, timeout=timeout, grace=grace, env=env)
+    return run_module("fsdp_harness.forked_ranks", argv, timeout=timeout, grace=grace, env=driver_environment(env))
 
 
 def launch(
@@ -257,7 +255,7 @@ class ScenarioBatches:
             ["--plan", str(self.root / "plan.json"), "--grace", str(grace), self.module],
             timeout=sum(batch.timeout for batch in pending),
             grace=grace,
-            env={"OPENBLAS_NUM_THREADS": "1", **at_exec[0]},
+            env=driver_environment(at_exec[0]),
         )
         for batch in pending:
             status = batch.root / "status.json"

@@ -2,11 +2,12 @@
 ``srun`` exports, and a fake ``scontrol`` on ``PATH`` that records each call and the HPC checkpoints as they are on
 disk at that moment."""
 import os
-import socket
 import stat
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from fsdp_harness.multiprocess import free_port
 
 #: The variables Lightning's own launcher and torchelastic export; a task started by ``srun`` has none of them.
 _LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
@@ -53,12 +54,6 @@ def install_fake_scontrol(bin_dir: Path) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def slurm_task_envs(
     ntasks: int, job_id: int, bin_dir: Optional[Path] = None, job_name: str = "train-fsdp"
 ) -> List[Dict[str, str]]:
@@ -69,7 +64,7 @@ def slurm_task_envs(
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
     base.update(
         PATH=os.pathsep.join([str(bin_dir), base.get("PATH", "")]) if bin_dir else base.get("PATH", ""),
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         SLURM_JOB_ID=str(job_id),
         SLURM_JOBID=str(job_id),
         SLURM_JOB_NAME=job_name,

@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -40,6 +39,7 @@ import torch._inductor  # noqa: F401  (the Trainer imports it, through ``torch.u
 
 from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy
 from fsdp_harness.models import FSDPModel
+from fsdp_harness.multiprocess import free_port
 from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -153,7 +153,7 @@ class _Job:
         """Fork the ranks. In a rank, this raises ``SystemExit`` with its status: the rank unwinds to the top of the
         module and exits as a script does, through the interpreter's finalization."""
         self.folder.mkdir(parents=True)
-        port = _free_port()
+        port = free_port()
         self.start = time.monotonic()
         for rank in range(WORLD_SIZE):
             pid = os.fork()
@@ -187,12 +187,6 @@ class _Job:
     def _tail(self, rank: int) -> str:
         path = self.folder / f"rank{rank}.log"
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run_jobs(jobs: List[_Job], parallel: int) -> None:
