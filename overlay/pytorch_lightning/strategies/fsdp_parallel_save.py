@@ -212,8 +212,9 @@ def _copy_own_writes(
     writes = writes._replace(sources=copies)
 
     def write(job: _BackgroundSave) -> None:
-        # a rank lost in the exchanges (its own or the final agreement) is named, as in a synchronous save:
-        # ``wait_for_checkpoint`` raises the ``_PeerLost`` on every rank without another exchange
+        # a rank lost in the exchanges (its own or the final agreement, which the background save's own ``settle``
+        # then returns without another exchange) is named, as in a synchronous save: ``wait_for_checkpoint`` raises
+        # the ``_PeerLost`` on every rank without another exchange
         with _naming_lost_ranks(strategy, job.guard, writes.path, close_group=False):
             _write_planned(writes, job.guard, job.group, torch.device("cpu"))
             job.guard.settle()

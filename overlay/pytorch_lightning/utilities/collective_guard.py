@@ -78,6 +78,7 @@ class _CollectiveGuard:
         self.failed_ranks: List[int] = []
         #: called before each exchange, e.g. to mark this rank's arrival where the others can see it without one
         self.before_exchange: Optional[Callable[[], None]] = None
+        self._settled = False
 
     @property
     def failed(self) -> bool:
@@ -126,9 +127,10 @@ class _CollectiveGuard:
 
     def settle(self) -> List[int]:
         """The global ranks on which the sequence failed, on every rank: one last agreement, unless one already saw
-        a failure. Collective then."""
-        if not self.failed_ranks:
+        a failure or the sequence is settled already (a later call returns the same ranks). Collective then."""
+        if not self.failed_ranks and not self._settled:
             self.failed_ranks = self._exchanged()
+        self._settled = True
         return self.failed_ranks
 
     def _exchanged(self) -> List[int]:
