@@ -1,0 +1,76 @@
+"""Smoke tests of the shared-file write benchmark, run as a user runs it (``python -m
+fsdp_benchmarks.shared_file_writes``), never imported: at a tiny size it completes, prints its table and writes the
+documented JSON; and its check of the files can fail: where the filesystem stores one wrong byte (emulated in the
+writing processes by a ``sitecustomize`` that changes the last byte of one ``pwrite``), it says so and exits 1. The
+seconds are measured by the benchmark, never asserted here."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_harness.multiprocess import ROOT
+
+MODULE = "fsdp_benchmarks.shared_file_writes"
+ROW_KEYS = {"procs", "one_file_s", "own_files_s", "one_file_median_s", "own_files_median_s", "ratio", "errors"}
+
+#: loaded by every process of the benchmark: the third ``pwrite`` of each writing process stores a wrong last byte, as
+#: a filesystem that loses a write would leave it
+CORRUPTING_SITECUSTOMIZE = """
+import os
+
+if os.environ.get("CORRUPT_THIRD_PWRITE"):
+    pwrite, calls = os.pwrite, []
+
+    def corrupting(fd, data, offset):
+        calls.append(1)
+        view = memoryview(data).cast("B")
+        if len(calls) == 3 and os.readlink(f"/proc/self/fd/{fd}").endswith(".bin"):
+            data = bytes(view[:-1]) + bytes([view[-1] ^ 0xFF])
+        return pwrite(fd, data, offset)
+
+    os.pwrite = corrupting
+"""
+
+
+def run_benchmark(tmp_path, *args, env=None):
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, "-m", MODULE, "--dir", str(tmp_path / "fs"), *args], cwd=ROOT,
+        env={**environment, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    )
+
+
+@pytest.mark.timeout(150)
+def test_shared_file_writes_smoke(tmp_path):
+    (tmp_path / "fs").mkdir()
+    json_path = tmp_path / "result.json"
+    proc = run_benchmark(tmp_path, "--procs", "1,2", "--mb", "16", "--repeats", "2", "--json", str(json_path))
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    assert "one file / own files" in proc.stdout  # the table
+    result = json.loads(json_path.read_text())
+    assert result["mb_per_process"] == 16 and result["filesystem"] != "unknown"
+    assert [row["procs"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert ROW_KEYS <= set(row) and row["errors"] == []
+        assert len(row["one_file_s"]) == len(row["own_files_s"]) == 2
+        assert all(seconds > 0 for seconds in row["one_file_s"] + row["own_files_s"])
+    assert list((tmp_path / "fs").iterdir()) == []  # its files are removed
+
+
+@pytest.mark.timeout(150)
+def test_shared_file_writes_finds_a_wrong_byte(tmp_path):
+    (tmp_path / "fs").mkdir()
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(CORRUPTING_SITECUSTOMIZE)
+    env = {"CORRUPT_THIRD_PWRITE": "1", "PYTHONPATH": str(tmp_path / "site")}
+    json_path = tmp_path / "result.json"
+    proc = run_benchmark(tmp_path, "--procs", "2", "--mb", "24", "--repeats", "1", "--json", str(json_path), env=env)
+    assert proc.returncode == 1, proc.stdout[-8000:]
+    assert "one file, process 0, chunk 2: not the bytes written" in proc.stdout
+    (row,) = json.loads(json_path.read_text())["rows"]
+    assert row["errors"] == [
+        f"{mode}, process {process}, chunk 2: not the bytes written"
+        for mode in ("one file", "own files") for process in (0, 1)
+    ]
