@@ -17,7 +17,9 @@ is wrong or a process fails. Nothing here imports Lightning: it measures the fil
 import argparse
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
+import queue
 import statistics
 import struct
 import sys
@@ -100,7 +102,8 @@ def _verify(directory: Path, mode: str, procs: int, chunks: int) -> List[str]:
 
 
 def run_once(directory: Path, mode: str, procs: int, chunks: int, timeout: float) -> Dict[str, Any]:
-    """P processes write together in ``mode``; the slowest one's seconds and what the check found."""
+    """P processes write together in ``mode``; the slowest one's seconds and what the check found. A process that
+    fails breaks the barrier, so the others stop too instead of waiting for it until ``timeout``."""
     for stale in directory.glob("*.bin"):
         stale.unlink()
     if mode == "one file":
@@ -110,16 +113,24 @@ def run_once(directory: Path, mode: str, procs: int, chunks: int, timeout: float
     workers = [context.Process(target=_write, args=(directory, mode, p, chunks, start, results)) for p in range(procs)]
     for worker in workers:
         worker.start()
-    deadline = time.monotonic() + timeout
-    for worker in workers:
-        worker.join(max(0.0, deadline - time.monotonic()))
-    hung = [p for p, worker in enumerate(workers) if worker.is_alive()]
-    for worker in workers:
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
+    deadline, running = time.monotonic() + timeout, list(workers)
+    while running and time.monotonic() < deadline:
+        multiprocessing.connection.wait([w.sentinel for w in running], timeout=max(0.0, deadline - time.monotonic()))
+        if any(w.exitcode not in (None, 0) for w in running):
+            start.abort()
+        running = [w for w in running if w.exitcode is None]
+    hung = [p for p, worker in enumerate(workers) if worker.exitcode is None]
+    for p in hung:
+        workers[p].kill()
+        workers[p].join()
     failed = [p for p, worker in enumerate(workers) if worker.exitcode != 0 and p not in hung]
-    seconds = dict(results.get(timeout=10) for _ in range(procs - len(hung) - len(failed)))
+    seconds: Dict[int, float] = {}
+    for _ in range(procs - len(hung) - len(failed)):
+        try:
+            process, took = results.get(timeout=10)
+        except queue.Empty:
+            break
+        seconds[process] = took
     errors = [f"process {p} did not finish within {timeout:g} s" for p in hung]
     errors += [f"process {p} exited with {workers[p].exitcode}" for p in failed]
     if not errors:
@@ -132,7 +143,8 @@ def filesystem_of(directory: Path) -> str:
     path = os.path.realpath(directory)
     mounts = [p for p in psutil.disk_partitions(all=True) if path == p.mountpoint or path.startswith(
         os.path.join(p.mountpoint, ""))]
-    return max(mounts, key=lambda p: len(p.mountpoint)).fstype if mounts else "unknown"
+    # the last of equally long mount points is the one mounted over the others
+    return max(reversed(mounts), key=lambda p: len(p.mountpoint)).fstype if mounts else "unknown"
 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
@@ -178,9 +190,12 @@ def _row(row: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.mb < 8 or args.mb % 8 or args.repeats < 1:
-        raise SystemExit("--mb must be a positive multiple of 8 and --repeats at least 1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.mb < 8 or args.mb % 8 or args.repeats < 1 or args.timeout <= 0:
+        parser.error("--mb must be a positive multiple of 8, --repeats at least 1 and --timeout positive")
+    if not args.dir.is_dir():
+        parser.error(f"--dir {args.dir} is not a directory")
     print(f"{args.mb} MiB per process in {CHUNK // MIB} MiB pwrite calls, then fdatasync; {args.dir} "
           f"({filesystem_of(args.dir)}); median of {args.repeats} runs, slowest process, seconds")
     print(f"{'procs':>5} {'one file':>13} {'own files':>13} {'one file / own files':>20}", flush=True)

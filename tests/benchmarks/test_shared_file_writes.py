@@ -16,7 +16,7 @@ MODULE = "fsdp_benchmarks.shared_file_writes"
 ROW_KEYS = {"procs", "one_file_s", "own_files_s", "one_file_median_s", "own_files_median_s", "ratio", "errors"}
 
 #: loaded by every process of the benchmark: the third ``pwrite`` of each writing process stores a wrong last byte, as
-#: a filesystem that loses a write would leave it
+#: a filesystem that loses a write would leave it; or process 1 cannot create its own file (ENOSPC)
 CORRUPTING_SITECUSTOMIZE = """
 import os
 
@@ -31,13 +31,25 @@ if os.environ.get("CORRUPT_THIRD_PWRITE"):
         return pwrite(fd, data, offset)
 
     os.pwrite = corrupting
+
+if os.environ.get("FAIL_OPEN_OWN_1"):
+    import errno
+
+    open_file = os.open
+
+    def failing(path, *args, **kwargs):
+        if str(path).endswith("own-1.bin"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return open_file(path, *args, **kwargs)
+
+    os.open = failing
 """
 
 
 def run_benchmark(tmp_path, *args, env=None):
     environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        [sys.executable, "-m", MODULE, "--dir", str(tmp_path / "fs"), *args], cwd=ROOT,
+        [sys.executable, "-m", MODULE, "--dir", str(tmp_path / "fs"), "--timeout", "30", *args], cwd=ROOT,
         env={**environment, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
     )
 
@@ -74,3 +86,19 @@ def test_shared_file_writes_finds_a_wrong_byte(tmp_path):
         f"{mode}, process {process}, chunk 2: not the bytes written"
         for mode in ("one file", "own files") for process in (0, 1)
     ]
+
+
+@pytest.mark.timeout(150)
+def test_shared_file_writes_process_that_fails_stops_the_others(tmp_path):
+    """Process 1 cannot create its own file: process 0, already waiting for it at the start, stops too (the barrier
+    is broken) rather than waiting until ``--timeout``; both are reported and the benchmark exits 1."""
+    (tmp_path / "fs").mkdir()
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(CORRUPTING_SITECUSTOMIZE)
+    env = {"FAIL_OPEN_OWN_1": "1", "PYTHONPATH": str(tmp_path / "site")}
+    json_path = tmp_path / "result.json"
+    proc = run_benchmark(tmp_path, "--procs", "2", "--mb", "8", "--repeats", "1", "--json", str(json_path), env=env)
+    assert proc.returncode == 1, proc.stdout[-8000:]
+    (row,) = json.loads(json_path.read_text())["rows"]
+    assert row["errors"] == ["process 0 exited with 1", "process 1 exited with 1"], row
+    assert row["one_file_s"][0] > 0 and row["own_files_s"] == [None]
