@@ -366,6 +366,42 @@ def stopping_rank_1_in_exchange(trainer: Trainer, out: Any, stop: Callable[[], N
         yield
 
 
+@contextmanager
+def stopping_rank_1_in_structure(trainer: Trainer, out: Any, stop: Callable[[], None]) -> Iterator[None]:
+    """Rank 1 is lost while global rank 0 writes the checkpoint's structure: on rank 1, the streamed save's step that
+    waits for it writes the time to ``out/fault_time`` and its pid to ``out/rank1.pid``, and calls ``stop()`` (which
+    kills the rank); rank 0 begins that step (writing the structure) once rank 1's process has exited, so that its
+    wait for the other ranks after the structure is what fails, whatever the timing of rank 1's exit."""
+    write_skeleton = fsdp_streaming_save._write_streamed_skeleton
+
+    def stopping(*args: Any, **kwargs: Any) -> Any:
+        (out / "fault_time").write_text(repr(time.time()))
+        (out / "rank1.pid").write_text(str(os.getpid()))
+        stop()
+        return write_skeleton(*args, **kwargs)
+
+    def after_rank_1_exited(*args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _exited(out / "rank1.pid"):
+            time.sleep(0.05)
+        return write_skeleton(*args, **kwargs)
+
+    wrapper = stopping if trainer.global_rank == 1 else after_rank_1_exited
+    with mock.patch.object(fsdp_streaming_save, "_write_streamed_skeleton", wrapper):
+        yield
+
+
+def _exited(pid_file: Any) -> bool:
+    """Whether the process whose pid ``pid_file`` holds has exited (gone, or a zombie: its sockets are closed)."""
+    if not pid_file.exists() or not pid_file.read_text():
+        return False
+    try:
+        with open(f"/proc/{pid_file.read_text()}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def saves_over_it_with_rank_1_stopped(
     args: argparse.Namespace, stop: Callable[[], None], where: Callable[..., Any] = stopping_rank_1_in_pwrite
 ) -> Tuple[Dict[str, Any], Trainer, Any]:
@@ -394,9 +430,13 @@ def saves_over_it_with_rank_1_stopped(
 
 def killed_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
     """Rank 1 is killed (SIGKILL) in its ``pwrite`` of a shard into the temporary file of a save over a previous
-    checkpoint (``--in-exchange``: in the exchange of the block-boundary bytes, before it); rank 0 goes on alone and
-    records what it raised."""
-    where = stopping_rank_1_in_exchange if args.in_exchange else stopping_rank_1_in_pwrite
+    checkpoint (``--killed-in exchange``: in the exchange of the block-boundary bytes, before it; ``structure``: while
+    rank 0 writes the checkpoint's structure, before both); rank 0 goes on alone and records what it raised."""
+    where = {
+        "pwrite": stopping_rank_1_in_pwrite,
+        "exchange": stopping_rank_1_in_exchange,
+        "structure": stopping_rank_1_in_structure,
+    }[args.killed_in]
     result, _, _ = saves_over_it_with_rank_1_stopped(args, lambda: os.kill(os.getpid(), signal.SIGKILL), where)
     return result
 
@@ -468,7 +508,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--writers", choices=["rank0", "all", "default"], default="all")
     parser.add_argument("--ckpt", default=None)
-    parser.add_argument("--in-exchange", action="store_true", help="killed_while_writing: kill in the exchange")
+    parser.add_argument(
+        "--killed-in", choices=["pwrite", "exchange", "structure"], default="pwrite",
+        help="killed_while_writing: kill rank 1 in its pwrite of a shard, in the exchange of the block-edge bytes, or"
+        " while rank 0 writes the structure",
+    )
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument(
         "--timeout", type=float, default=2.0, help="PL_CHECKPOINT_TIMEOUT of slow_writer and async_killed_while_writing"

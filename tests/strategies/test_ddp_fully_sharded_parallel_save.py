@@ -6,11 +6,13 @@ and Adam, tied weights, parameters outside FSDP, and shards that end inside tens
 ranks' writes must fall into disjoint blocks and cover every FSDP byte; the file resumes exactly on 2 ranks and on 1,
 and one written on 1 rank resumes on 2; a full disk, a file that cannot be opened or an allocation that fails on rank
 1 raises on every rank and keeps the previous file, and so do a rank 1 that stalls in its writes past
-``PL_CHECKPOINT_TIMEOUT`` and one killed in them (also in the background). With ``async_checkpoint=True`` saves in
+``PL_CHECKPOINT_TIMEOUT`` and one killed in them (also in the background) or while rank 0 writes the structure.
+With ``async_checkpoint=True`` saves in
 the background write every rank's own shards from their writer threads and gather nothing; a full disk there raises
 as above. The default (``"auto"``) writes as ``"all"`` on 2 ranks sharing the directory and as ``"rank0"`` in one
 process. Scenarios in ``fsdp_parallel_save_scenarios.py`` run real FairScale FSDP on CPU processes over gloo, in
-four launches (2 ranks, 1, 2 again twice), each of the 2-rank ones ending with a case that kills rank 1.
+five batches of one driver (2 ranks, 1, 2 again three times), each of the 2-rank ones ending with a case that kills
+rank 1.
 """
 import json
 from pathlib import Path
@@ -31,9 +33,9 @@ BLOCK = 4096
 EQUALS = [("tied", "wrap", "sgd", 72), ("plain", "auto_wrap", "adam", 16), ("tied", "wrap", "adam", 72)]
 # saved in the background (``async_checkpoint=True``): SGD momentum and Adam, parameters inside and outside FSDP
 ASYNC_EQUALS = [EQUALS[0], EQUALS[2]]
-# "later": 2 ranks again, after "one", to resume a file written on 1 rank; then rank 1 is killed; "exchange": rank
-# 1 killed in another place (each 2-rank batch ends with a case that kills rank 1)
-BATCHES = {"two": (2, 420), "one": (1, 180), "later": (2, 180), "exchange": (2, 120)}
+# "later": 2 ranks again, after "one", to resume a file written on 1 rank; then rank 1 is killed; "exchange" and
+# "structure": rank 1 killed in other places (each 2-rank batch ends with a case that kills rank 1)
+BATCHES = {"two": (2, 420), "one": (1, 180), "later": (2, 180), "exchange": (2, 120), "structure": (2, 120)}
 #: ``PL_CHECKPOINT_TIMEOUT`` of the "later" batch: the killed rank must be named long before it
 KILLED_TIMEOUT = 30
 BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
@@ -63,7 +65,7 @@ def _options(model: str, wrapping: str, optimizer: str, width: int) -> List[str]
 def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("parallel"))
     for name, (devices, timeout) in BATCHES.items():
-        env = {"PL_CHECKPOINT_TIMEOUT": str(KILLED_TIMEOUT)} if name in ("later", "exchange") else None
+        env = {"PL_CHECKPOINT_TIMEOUT": str(KILLED_TIMEOUT)} if name in ("later", "exchange", "structure") else None
         batches.batch(name, devices, timeout, env)
     for case in EQUALS:
         batches.batch("two", 2).add(_case(*case), "parallel_equals_gathered", *_options(*case))
@@ -74,9 +76,11 @@ def parallel_runs(tmp_path_factory) -> ScenarioBatches:
     one = batches.batch("one", 1).add(f"one-{_case(*EQUALS[2])}", "parallel_equals_gathered", *_options(*EQUALS[2]))
     batches.batch("later", 2).add("resume-1-2", "resume", *_options(*EQUALS[2]), "--ckpt", one / "parallel.ckpt")
     batches.batch("later", 2).add("killed", "killed_while_writing", "--writers", WRITERS, "--width", 72, fails=True)
-    batches.batch("exchange", 2).add(
-        "killed_in_exchange", "killed_while_writing", "--writers", WRITERS, "--width", 72, "--in-exchange", fails=True
-    )
+    for place in ("exchange", "structure"):
+        batches.batch(place, 2).add(
+            f"killed_in_{place}", "killed_while_writing", "--writers", WRITERS, "--width", 72, "--killed-in", place,
+            fails=True,
+        )
     # the strategy's default checkpoint_writers, on a directory every rank shares, and in a single process
     default = ["--model", "tied", "--width", "72", "--writers", "default"]
     for name, devices in (("two", 2), ("one", 1)):
@@ -265,6 +269,26 @@ def test_rank_killed_while_writing_its_shards(parallel_runs, case):
     rank0 = json.loads((out / "rank0.json").read_text())
     assert "failed on global rank 1: it did not reach the ranks' next exchange" in (rank0["raised"] or ""), rank0
     assert f"`PL_CHECKPOINT_TIMEOUT` ({KILLED_TIMEOUT} s)" in rank0["raised"]
+    assert rank0["raised_time"] - _fault_time(out) < 10
+    assert rank0["unchanged"] is True
+    assert rank0["temporary_files"] == [] and not list(out.glob("*.tmp"))
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_rank_killed_while_rank_0_writes_the_structure(parallel_runs):
+    """Rank 1 is killed (SIGKILL) while rank 0 writes the structure of a save over a previous checkpoint, before any
+    rank writes a shard: rank 0's wait for the others then fails in gloo, and so does the ranks' final exchange of
+    who failed. Rank 0 raises a ``CheckpointError`` saying that a rank was lost (gloo's error names none) within
+    seconds, not gloo's bare ``RuntimeError``; the previous file is untouched and rank 0 removes the temporary file."""
+    result, out = parallel_runs.failure("killed_in_structure"), parallel_runs.folder("killed_in_structure")
+    assert not result.timed_out, result.output[-8000:]
+    assert result.returncode == 0, f"rank 0 did not finish:\n{result.output[-8000:]}"
+    assert not (out / "rank1.json").exists(), "rank 1 was not killed"
+    rank0 = json.loads((out / "rank0.json").read_text())
+    raised = rank0["raised"] or ""
+    assert raised.startswith("Saving the checkpoint to ") and "last.ckpt' failed: RuntimeError: " in raised, rank0
+    assert "; then the ranks could not tell each other which of them failed: their exchange failed with" in raised
+    assert f"(a rank was lost, or is slower than `PL_CHECKPOINT_TIMEOUT` ({KILLED_TIMEOUT} s))" in raised
     assert rank0["raised_time"] - _fault_time(out) < 10
     assert rank0["unchanged"] is True
     assert rank0["temporary_files"] == [] and not list(out.glob("*.tmp"))

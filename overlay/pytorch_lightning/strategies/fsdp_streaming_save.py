@@ -89,7 +89,12 @@ def _write_streamed_skeleton(
         if decision != "stream" and writer is not None:
             writer.discard()
     # over the checkpoint group, so that the other ranks wait for rank 0 as long as `PL_CHECKPOINT_TIMEOUT` says
-    decision = _broadcast_failure(strategy, decision, src=0)
+    try:
+        decision = _broadcast_failure(strategy, decision, src=0)
+    except BaseException:
+        if writer is not None and decision == "stream":
+            writer.discard()  # a rank was lost while rank 0 wrote the structure: no temporary file is left
+        raise
     if decision == "failed":
         if error is not None:
             raise error

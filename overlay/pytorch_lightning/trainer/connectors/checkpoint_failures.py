@@ -7,17 +7,20 @@ The hooks are ``CheckpointConnector``'s ``_failures`` part and the call sites in
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
 from contextlib import nullcontext
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.checkpoint_errors import (
     _broadcast_failure,
     _checkpoint_error_type,
     _checkpoint_error_type_named,
+    _checkpoint_timeout,
+    _close_checkpoint_process_group,
     _describe_error,
     _error_type_name,
     _exchange_flags,
     _flagged_ranks,
+    CHECKPOINT_TIMEOUT_ENV,
     FINAL_EXCHANGE_FLAG,
 )
 from pytorch_lightning.utilities.collective_guard import _PeerFailed, _PeerLost
@@ -155,7 +158,10 @@ def _raise_on_every_rank_if_any_failed(
     # a rank that stopped because another one failed (``_PeerFailed``) reports no failure of its own: the message
     # names the rank that failed and its cause
     stopped = isinstance(error, _PeerFailed)
-    failed_ranks = _final_failed_ranks(trainer.strategy, error is not None and not stopped)
+    try:
+        failed_ranks = _final_failed_ranks(trainer.strategy, error is not None and not stopped)
+    except Exception as exchange_error:
+        _raise_after_failed_exchange(trainer.strategy, error, exchange_error, action, suffix)
     if not failed_ranks:
         if stopped:
             # cannot happen while the ranks agree; raised rather than lost
@@ -164,7 +170,53 @@ def _raise_on_every_rank_if_any_failed(
     if isinstance(error, MisconfigurationException):
         raise error
     cause = None if stopped else error
-    raise _error_of_first_failed_rank(trainer, cause, failed_ranks, action, suffix) from cause
+    try:
+        failure = _error_of_first_failed_rank(trainer, cause, failed_ranks, action, suffix)
+    except Exception as exchange_error:
+        _raise_after_failed_exchange(trainer.strategy, error, exchange_error, action, suffix, failed_ranks)
+    raise failure from cause
+
+
+def _raise_after_failed_exchange(
+    strategy: "pl.strategies.Strategy",
+    error: Optional[BaseException],
+    exchange_error: Exception,
+    action: str,
+    suffix: str,
+    failed_ranks: Optional[List[int]] = None,
+) -> NoReturn:
+    """Raise where the ranks' final exchange of who failed (or of the first failed rank's error) itself failed: a
+    rank was lost (gloo saw its closed connection) or is slower than the exchange's timeout. This rank's own error,
+    if any, is kept as the cause, in the message and in the type; the checkpoint group is closed, so that the ranks
+    still in it fail at once instead of after its timeout. Called in an ``except`` block."""
+    if isinstance(exchange_error, CheckpointError):
+        raise exchange_error  # the checkpoint group was closed by an earlier failure: its error says so
+    # only the fork's gloo checkpoint group has ``PL_CHECKPOINT_TIMEOUT``; without one the default group was used
+    state = getattr(strategy, "_checkpoint_state", None)
+    own_group = isinstance(strategy, pl.strategies.DDPFullyShardedStrategy) and state.checkpoint_group is not None
+    bound = (
+        f"`{CHECKPOINT_TIMEOUT_ENV}` ({_checkpoint_timeout().total_seconds():g} s)"
+        if own_group
+        else "the process group's timeout"
+    )
+    told = "which of them failed" if failed_ranks is None else f"the error of global rank {failed_ranks[0]}"
+    lost = (
+        f"the ranks could not tell each other {told}: their exchange failed with {_describe_error(exchange_error)}"
+        f" (a rank was lost, or is slower than {bound})"
+    )
+    if own_group:
+        _close_checkpoint_process_group(strategy, f"the ranks' final exchange of a checkpoint failed; {lost}")
+    if isinstance(error, MisconfigurationException):
+        raise error
+    if error is None:
+        message, error_type = f"{action} failed: this rank's part succeeded, but {lost}.{suffix}", RuntimeError
+    elif isinstance(error, _PeerFailed):
+        ranks = error.failed_ranks
+        message = f"{action} failed: global rank {ranks[0] if ranks else '?'} failed first; then {lost}.{suffix}"
+        error_type = RuntimeError
+    else:
+        message, error_type = f"{action} failed: {_describe_error(error)}; then {lost}.{suffix}", type(error)
+    raise _checkpoint_error_type(error_type)(message) from (error if error is not None else exchange_error)
 
 
 def _lost_ranks(lost: _PeerLost) -> str:
