@@ -4,8 +4,8 @@
 Does the filesystem at ``DIR`` let several processes of one host write their own byte ranges of ONE file at once, as
 the parallel save (``checkpoint_writers="all"``) does, or does it run them one after the other? Linux's buffered
 write path takes the file's inode lock for each ``write``/``pwrite`` on most local filesystems (ext4, XFS, tmpfs) and
-on NFS clients, so the ranks of one node copy their bytes into one file one at a time; Lustre's client takes range
-locks instead. Separate files (one per rank, as torch DCP writes) do not share that lock.
+on NFS clients, so the ranks of one node copy their bytes into one file one at a time; other clients (Lustre, GPFS)
+lock differently, which this measures. Separate files (one per rank, as torch DCP writes) do not share that lock.
 
 For each number of processes P, P processes start together (a barrier) and each writes ``--mb`` MiB in 8 MiB
 ``pwrite`` calls, then ``fdatasync``-s: once into its own range of one file ("one file"), once into a file of its
