@@ -54,6 +54,20 @@ def run_benchmark(tmp_path, *args, env=None):
     )
 
 
+def run_two_processes_with_fault(tmp_path, fault, mb):
+    """One run of 2 processes writing ``mb`` MiB each, with ``fault`` (a variable of the ``sitecustomize`` above) set
+    in them; it must exit 1. Its output and its one row of results."""
+    (tmp_path / "fs").mkdir()
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(CORRUPTING_SITECUSTOMIZE)
+    env = {fault: "1", "PYTHONPATH": str(tmp_path / "site")}
+    json_path = tmp_path / "result.json"
+    proc = run_benchmark(tmp_path, "--procs", "2", "--mb", mb, "--repeats", "1", "--json", str(json_path), env=env)
+    assert proc.returncode == 1, proc.stdout[-8000:]
+    (row,) = json.loads(json_path.read_text())["rows"]
+    return proc, row
+
+
 @pytest.mark.timeout(150)
 def test_shared_file_writes_smoke(tmp_path):
     (tmp_path / "fs").mkdir()
@@ -73,15 +87,8 @@ def test_shared_file_writes_smoke(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_shared_file_writes_finds_a_wrong_byte(tmp_path):
-    (tmp_path / "fs").mkdir()
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(CORRUPTING_SITECUSTOMIZE)
-    env = {"CORRUPT_THIRD_PWRITE": "1", "PYTHONPATH": str(tmp_path / "site")}
-    json_path = tmp_path / "result.json"
-    proc = run_benchmark(tmp_path, "--procs", "2", "--mb", "24", "--repeats", "1", "--json", str(json_path), env=env)
-    assert proc.returncode == 1, proc.stdout[-8000:]
+    proc, row = run_two_processes_with_fault(tmp_path, "CORRUPT_THIRD_PWRITE", "24")
     assert "one file, process 0, chunk 2: not the bytes written" in proc.stdout
-    (row,) = json.loads(json_path.read_text())["rows"]
     assert row["errors"] == [
         f"{mode}, process {process}, chunk 2: not the bytes written"
         for mode in ("one file", "own files") for process in (0, 1)
@@ -92,13 +99,6 @@ def test_shared_file_writes_finds_a_wrong_byte(tmp_path):
 def test_shared_file_writes_process_that_fails_stops_the_others(tmp_path):
     """Process 1 cannot create its own file: process 0, already waiting for it at the start, stops too (the barrier
     is broken) rather than waiting until ``--timeout``; both are reported and the benchmark exits 1."""
-    (tmp_path / "fs").mkdir()
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(CORRUPTING_SITECUSTOMIZE)
-    env = {"FAIL_OPEN_OWN_1": "1", "PYTHONPATH": str(tmp_path / "site")}
-    json_path = tmp_path / "result.json"
-    proc = run_benchmark(tmp_path, "--procs", "2", "--mb", "8", "--repeats", "1", "--json", str(json_path), env=env)
-    assert proc.returncode == 1, proc.stdout[-8000:]
-    (row,) = json.loads(json_path.read_text())["rows"]
+    _, row = run_two_processes_with_fault(tmp_path, "FAIL_OPEN_OWN_1", "8")
     assert row["errors"] == ["process 0 exited with 1", "process 1 exited with 1"], row
     assert row["one_file_s"][0] > 0 and row["own_files_s"] == [None]
