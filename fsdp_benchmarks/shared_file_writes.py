@@ -116,9 +116,11 @@ def run_once(directory: Path, mode: str, procs: int, chunks: int, timeout: float
     deadline, running = time.monotonic() + timeout, list(workers)
     while running and time.monotonic() < deadline:
         multiprocessing.connection.wait([w.sentinel for w in running], timeout=max(0.0, deadline - time.monotonic()))
-        if any(w.exitcode not in (None, 0) for w in running):
-            start.abort()
         running = [w for w in running if w.exitcode is None]
+        # over every worker, after the filter: a worker's sentinel closes before its exit status can be read, so one
+        # that failed may leave ``running`` only at a later pass
+        if any(w.exitcode not in (None, 0) for w in workers):
+            start.abort()
     hung = [p for p, worker in enumerate(workers) if worker.exitcode is None]
     for p in hung:
         workers[p].kill()
