@@ -92,7 +92,7 @@ def _write_streamed_skeleton(
     try:
         decision = _broadcast_failure(strategy, decision, src=0)
     except BaseException:
-        if writer is not None and decision == "stream":
+        if writer is not None:
             writer.discard()  # a rank was lost while rank 0 wrote the structure: no temporary file is left
         raise
     if decision == "failed":

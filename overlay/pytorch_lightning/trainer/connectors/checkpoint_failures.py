@@ -192,8 +192,10 @@ def _raise_after_failed_exchange(
     if isinstance(exchange_error, CheckpointError):
         raise exchange_error  # the checkpoint group was closed by an earlier failure: its error says so
     # only the fork's gloo checkpoint group has ``PL_CHECKPOINT_TIMEOUT``; without one the default group was used
-    state = getattr(strategy, "_checkpoint_state", None)
-    own_group = isinstance(strategy, pl.strategies.DDPFullyShardedStrategy) and state.checkpoint_group is not None
+    own_group = (
+        isinstance(strategy, pl.strategies.DDPFullyShardedStrategy)
+        and strategy._checkpoint_state.checkpoint_group is not None
+    )
     bound = (
         f"`{CHECKPOINT_TIMEOUT_ENV}` ({_checkpoint_timeout().total_seconds():g} s)"
         if own_group
