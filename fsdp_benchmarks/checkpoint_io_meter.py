@@ -11,7 +11,11 @@ between them by the OS either.
 - ``io.open`` / ``builtins.open`` (which ``os.fdopen``, ``pathlib.Path.open`` and fsspec's local files go through)
   in binary mode: the file gets a :class:`_MeteredFileIO` raw layer under the usual buffer, so the bytes counted are
   those each ``write``/``readinto`` system call moved (torch.save of the skeleton or a gathered save, DCP's files);
-- ``os.pwrite`` / ``os.write`` (the fork's streamed writer ``pwrite``s the tensors into its temporary file).
+- ``os.pwrite`` / ``os.write`` (the fork's streamed writer ``pwrite``s the tensors into its temporary file);
+- ``os.fsync`` / ``os.fdatasync`` on such files.
+
+Besides the bytes it sums the seconds this process spent in those writes and syncs (``io_seconds``, over all its
+threads), so that a save's time outside them can be told apart.
 
 Only files inside the checkpoint directory count (by path, or for a descriptor by ``/proc/self/fd``). With a rate,
 every counted write then waits until a per-process link of that many MB/s (10^6 bytes) would have carried it:
@@ -53,6 +57,7 @@ class CheckpointIOMeter:
         self.write_mbps = write_mbps
         self.bytes_written = 0
         self.bytes_read = 0
+        self.io_seconds = 0.0
         self._lock = threading.Lock()
 
     def covers(self, file: Any) -> bool:
@@ -65,22 +70,33 @@ class CheckpointIOMeter:
             return False
         return os.path.realpath(os.fsdecode(file)).startswith(self.directory)
 
-    def wrote(self, nbytes: Optional[int]) -> None:
-        if not nbytes:
-            return
+    def wrote(self, nbytes: Optional[int], seconds: float = 0.0) -> None:
+        """Count ``nbytes`` written in ``seconds``, and the wait for the emulated link (if any) as I/O time too."""
+        start = time.perf_counter()
+        if nbytes:
+            with self._lock:
+                self.bytes_written += nbytes
+            if self.link is not None:
+                self.link.transfer(nbytes)
+        self.spent(seconds + time.perf_counter() - start)
+
+    def spent(self, seconds: float) -> None:
         with self._lock:
-            self.bytes_written += nbytes
-        if self.link is not None:
-            self.link.transfer(nbytes)
+            self.io_seconds += seconds
 
     def read(self, nbytes: Optional[int]) -> None:
         if nbytes:
             with self._lock:
                 self.bytes_read += nbytes
 
-    def snapshot(self) -> Dict[str, int]:
+    def since(self, before: Dict[str, Any]) -> Dict[str, Any]:
+        """The bytes written and the seconds of I/O since ``before`` (a :meth:`snapshot`)."""
+        now = self.snapshot()
+        return {key: now[key] - before[key] for key in ("bytes_written", "io_seconds")}
+
+    def snapshot(self) -> Dict[str, Any]:
         with self._lock:
-            return {"bytes_written": self.bytes_written, "bytes_read": self.bytes_read}
+            return {"bytes_written": self.bytes_written, "bytes_read": self.bytes_read, "io_seconds": self.io_seconds}
 
 
 _meter: Optional[CheckpointIOMeter] = None
@@ -88,8 +104,9 @@ _meter: Optional[CheckpointIOMeter] = None
 
 class _MeteredFileIO(io.FileIO):
     def write(self, b: Any) -> Optional[int]:
+        start = time.perf_counter()
         written = super().write(b)
-        _meter.wrote(written)
+        _meter.wrote(written, time.perf_counter() - start)
         return written
 
     def readinto(self, b: Any) -> Optional[int]:
@@ -121,12 +138,25 @@ def _metered_open(original: Any) -> Any:
 
 def _metered_write(original: Any) -> Any:
     def write(fd: int, data: Any, *args: Any) -> int:
+        start = time.perf_counter()
         written = original(fd, data, *args)
+        seconds = time.perf_counter() - start  # before the check below, which is the meter's own cost
         if _meter.covers(fd):
-            _meter.wrote(written)
+            _meter.wrote(written, seconds)
         return written
 
     return write
+
+
+def _metered_sync(original: Any) -> Any:
+    def sync(fd: Any) -> None:
+        start = time.perf_counter()
+        original(fd)
+        seconds = time.perf_counter() - start
+        if _meter.covers(fd if isinstance(fd, int) else fd.fileno()):
+            _meter.spent(seconds)
+
+    return sync
 
 
 def install(directory: str, write_mbps: Optional[float] = None) -> CheckpointIOMeter:
@@ -139,4 +169,6 @@ def install(directory: str, write_mbps: Optional[float] = None) -> CheckpointIOM
         io.open = builtins.open = _metered_open(io.open)
         os.pwrite = _metered_write(os.pwrite)
         os.write = _metered_write(os.write)
+        os.fsync = _metered_sync(os.fsync)
+        os.fdatasync = _metered_sync(os.fdatasync)
     return _meter

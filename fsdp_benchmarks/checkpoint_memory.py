@@ -15,6 +15,13 @@ Each rank also counts the bytes it writes into the checkpoint during the measure
 an emulation of one link per rank to shared storage; a second table gives the save time against N. The torch DCP
 peer (``dcp-fsdp2``) runs in the same invocation, its ranks started here rather than by Lightning. A configuration
 whose strategy arguments this build does not take is skipped with a "not in this build" note.
+
+The model is K blocks whose width follows from S (``--size-mb``), or is given (``--width``; S then follows); ``--heads
+H`` adds an input and an output head of width H, each its own FSDP unit (``--units 8 --width 2048 --heads 1024`` is
+the shape of issue 38: F, the file, about 288 MiB with SGD's momentum). ``--repeat R`` runs every configuration R
+times at each N, in alternating order, and adds a table of the medians of the save time, of the time outside the
+checkpoint's writes and syncs (:mod:`fsdp_benchmarks.checkpoint_io_meter` sums it), and of their ratio to the torch
+DCP peer's with the same optimizer.
 """
 import argparse
 import json
@@ -35,6 +42,7 @@ if not __package__:
 from fsdp_benchmarks import builds as lightning_builds  # noqa: E402
 from fsdp_benchmarks import configs as registry  # noqa: E402
 from fsdp_benchmarks import report  # noqa: E402
+from fsdp_benchmarks.model import shape_mb as model_shape_mb  # noqa: E402
 from fsdp_harness.multiprocess import free_port, ScriptResult, run_module, run_tasks  # noqa: E402
 
 MMAP_THRESHOLD = "65536"
@@ -62,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=parse_devices, default=[2], help="world size, or a list such as 2,4")
     parser.add_argument("--size-mb", type=float, default=256, help="full fp32 state-dict size S in MiB")
     parser.add_argument("--units", type=int, default=16, help="number of FSDP-wrapped blocks K")
+    parser.add_argument(
+        "--width", type=int, default=0, help="the blocks' width w, in place of the one --size-mb gives (S then follows)"
+    )
+    parser.add_argument(
+        "--heads", type=int, default=0,
+        help="add an input head Linear(H, w) and an output head Linear(w, H), each its own FSDP unit (0: none)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="run every configuration this many times, in alternating order, and print the medians of the save time",
+    )
     parser.add_argument("--optimizer", choices=["sgd", "sgd-plain", "adam"], default="sgd")
     parser.add_argument(
         "--configs", type=parse_configs, default=registry.names(), help=f"comma list of {', '.join(registry.names())}"
@@ -100,17 +119,16 @@ def resolve_accelerator(choice: str, world_size: int) -> str:
 
 
 def run_one(
-    config: str, world_size: int, args: argparse.Namespace, out: Path, build: lightning_builds.Build
+    config: str, world_size: int, args: argparse.Namespace, out: Path, build: lightning_builds.Build, repeat: int = 0
 ) -> Dict[str, Any]:
-    run_dir = out / f"{config}-n{world_size}"
+    run_dir = out / (f"{config}-n{world_size}" + (f"-r{repeat}" if repeat else ""))
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     accelerator = resolve_accelerator(args.accelerator, world_size)
     worker_args = [
         "save_and_resume", "--config", config, "--out", str(run_dir), "--devices", str(world_size),
-        "--size-mb", str(args.size_mb),
-        "--units", str(args.units), "--optimizer", registry.by_name(config).optimizer or args.optimizer,
-        "--accelerator", accelerator,
+        "--size-mb", str(args.size_mb), *_shape_arguments(args),
+        "--optimizer", registry.by_name(config).optimizer or args.optimizer, "--accelerator", accelerator,
     ]
     if args.write_mbps:
         worker_args += ["--write-mbps", str(args.write_mbps)]
@@ -152,6 +170,10 @@ def run_one(
     return run
 
 
+def _shape_arguments(args: argparse.Namespace) -> List[str]:
+    return ["--units", str(args.units), "--width", str(args.width), "--heads", str(args.heads)]
+
+
 def start_ranks(
     config: registry.BenchConfig, worker_args: List[str], world_size: int, timeout: float, env: Dict[str, str],
     build: lightning_builds.Build,
@@ -175,7 +197,7 @@ def fit_one(
     run_dir.mkdir(parents=True)
     worker_args = [
         "fit_with_checkpoints", "--config", config, "--out", str(run_dir), "--devices", str(world_size),
-        "--size-mb", str(args.size_mb), "--units", str(args.units),
+        "--size-mb", str(args.size_mb), *_shape_arguments(args),
         "--optimizer", registry.by_name(config).optimizer or args.optimizer,
         "--accelerator", resolve_accelerator(args.accelerator, world_size), "--steps", str(args.fit_steps),
         "--every", str(every),
@@ -194,7 +216,15 @@ def fit_one(
 
 
 def main(argv: List[str] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeat < 1 or args.width < 0 or args.heads < 0:
+        parser.error("--repeat must be at least 1, --width and --heads at least 0")
+    if args.heads and not args.width:
+        parser.error("--heads needs --width: S then follows from the shape")
+    if args.width:
+        # S follows from the shape; the ranks still take --size-mb for the model's seed
+        args.size_mb = round(model_shape_mb(args.units, args.width, args.heads), 3)
     temp = None
     if args.out is None:
         temp = tempfile.mkdtemp(prefix="checkpoint_memory-")
@@ -206,21 +236,26 @@ def main(argv: List[str] = None) -> int:
     fits: List[Dict[str, Any]] = []
     skipped = _skipped(args.configs)
     configs = [c for c in args.configs if c not in skipped]
-    total = len(args.devices) * len(configs)
+    total = len(args.devices) * len(configs) * args.repeat
     start = time.monotonic()
     try:
         builds = lightning_builds.prepare((registry.by_name(c).build for c in configs), out)
         for world_size in args.devices:
-            for config in configs:
-                print(f"[{len(runs) + 1}/{total}] {config}, N={world_size}, S={args.size_mb:g} MiB, K={args.units},"
-                      f" {registry.by_name(config).optimizer or args.optimizer}: running...", flush=True)
-                run = run_one(config, world_size, args, out, builds[registry.by_name(config).build])
-                runs.append(run)
-                if run["ranks"]:
-                    print(f"[{len(runs)}/{total}] {config}, N={world_size}: node save"
-                          f" +{run['node_save_peak_extra_anon_file_mb']:.1f} MiB anon+file"
-                          f" ({run['node_save_x_s']:.2f} x S), resume +{run['node_load_peak_extra_mb']:.1f} MiB"
-                          f" ({run['node_load_x_s']:.2f} x S), ok={run['ok']}, {run['wall_seconds']:.0f} s", flush=True)
+            # every repeat runs the configurations in the other order, so none is always first after a quiet spell
+            for repeat in range(args.repeat):
+                for config in configs if repeat % 2 == 0 else configs[::-1]:
+                    print(f"[{len(runs) + 1}/{total}] {config}, N={world_size}, S={args.size_mb:g} MiB,"
+                          f" K={args.units}, {registry.by_name(config).optimizer or args.optimizer}: running...",
+                          flush=True)
+                    run = run_one(config, world_size, args, out, builds[registry.by_name(config).build], repeat)
+                    run["repeat"] = repeat
+                    runs.append(run)
+                    if run["ranks"]:
+                        print(f"[{len(runs)}/{total}] {config}, N={world_size}: node save"
+                              f" +{run['node_save_peak_extra_anon_file_mb']:.1f} MiB anon+file"
+                              f" ({run['node_save_x_s']:.2f} x S), resume +{run['node_load_peak_extra_mb']:.1f} MiB"
+                              f" ({run['node_load_x_s']:.2f} x S), save {report.slowest_save_seconds(run):.3f} s,"
+                              f" ok={run['ok']}, {run['wall_seconds']:.0f} s", flush=True)
         if args.fit_every:
             for world_size in args.devices:
                 lightning = [c for c in configs if registry.by_name(c).lightning]  # the DCP peer has no fit
@@ -233,12 +268,17 @@ def main(argv: List[str] = None) -> int:
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
+    # the first of the repeats in the tables and plot of one run per configuration and N; all in the medians
+    first = [run for run in runs if run["repeat"] == 0]
     print()
-    print(report.table(runs))
+    print(report.table(first))
     print()
-    print(report.stall_table(runs))
+    print(report.stall_table(first))
     print()
-    print(report.save_time_table(runs, args.write_mbps))
+    print(report.save_time_table(first, args.write_mbps))
+    if args.repeat > 1:
+        print()
+        print(report.median_save_table(runs))
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
     if fits:
@@ -248,6 +288,9 @@ def main(argv: List[str] = None) -> int:
         "command": " ".join(["python -m fsdp_benchmarks.checkpoint_memory", *(sys.argv[1:] if argv is None else argv)]),
         "size_mb": args.size_mb,
         "units": args.units,
+        "width": args.width,
+        "heads": args.heads,
+        "repeat": args.repeat,
         "optimizer": args.optimizer,
         "devices": args.devices,
         "configs": configs,
@@ -273,7 +316,7 @@ def main(argv: List[str] = None) -> int:
         report.write_json(runs, args.json, meta)
         print(f"wrote {args.json}")
     if args.plot:
-        report.plot(runs, args.plot, title=f"Extra host memory per node, S = {args.size_mb:g} MiB, K = {args.units},"
+        report.plot(first, args.plot, title=f"Extra host memory per node, S = {args.size_mb:g} MiB, K = {args.units},"
                     f" {args.optimizer} (*-adam: Adam)")
         print(f"wrote {args.plot}")
     failed = [f"{r['config']} N={r['world_size']}" for r in runs if not r["ok"]]

@@ -5,7 +5,8 @@ dcp_save_and_resume ...``, started once per rank by the runner (:func:`fsdp_harn
 Every rank:
 
 1. builds the benchmark's model (:class:`fsdp_benchmarks.model.CheckpointModel`: same seed, K blocks of
-   ``Linear(w, w)``), shards it with torch FSDP2 (``fully_shard`` on each block, then on the root) on CPU over gloo,
+   ``Linear(w, w)``, and the heads where it has them), shards it with torch FSDP2 (``fully_shard`` on each block and
+   head, then on the root) on CPU over gloo,
    and trains it for the same number of steps with the same optimizer (SGD momentum, or Adam), so the optimizer
    has state;
 2. **save**: ``get_state_dict(model, optimizer)`` and ``dcp.save({"model", "optim"})`` into a directory, measured by
@@ -49,7 +50,9 @@ STEPS = 2
 
 def _sharded(args: argparse.Namespace) -> Tuple[nn.Module, torch.optim.Optimizer]:
     seed_everything(1234, workers=True)
-    model = CheckpointModel(args.size_mb, args.units, args.devices, optimizer=args.optimizer)
+    model = CheckpointModel(
+        args.size_mb, args.units, args.devices, optimizer=args.optimizer, width=args.width, heads=args.heads
+    )
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.layer:
         fully_shard(block, mesh=mesh)
@@ -91,14 +94,14 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
         shutil.rmtree(directory, ignore_errors=True)
     dist.barrier()
     model, optimizer = _sharded(args)
-    width = model.width
+    shape = describe_run(args, rank, model, "cpu", meter.write_mbps)
     _train(model, optimizer)
 
     dist.barrier()
     before = meter.snapshot()
     with PeakMemory() as save_meter:
         dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
-    save = {**save_meter.result(), "bytes_written": meter.snapshot()["bytes_written"] - before["bytes_written"]}
+    save = {**save_meter.result(), **meter.since(before)}
     dist.barrier()
     save["files_bytes"] = _files_of(directory, rank)  # cross-check of the meter: the sizes of this rank's own files
     expected = _local(_state(model, optimizer))
@@ -123,7 +126,7 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
     mismatched = [None] * dist.get_world_size()
     dist.all_gather_object(mismatched, [f"rank {rank}: {path}" for path in check["mismatched"]])
     result: Dict[str, Any] = {
-        **describe_run(args, rank, width, "cpu", meter.write_mbps),
+        **shape,
         "save": save,
         "load": load,
     }

@@ -36,13 +36,34 @@ def model_seed(size_mb: float, units: int, world_size: int) -> int:
     return (world_size * 1_000_003 + int(size_mb * 1000) * 31 + units) % (2**31)
 
 
+def shape_mb(units: int, width: int, heads: int = 0) -> float:
+    """The fp32 state dict's MiB of ``units`` blocks of ``width`` and, with ``heads``, the two heads."""
+    return state_dict_mb(width, units) + (2 * heads * width + width + heads) * 4 / MIB if heads else state_dict_mb(
+        width, units
+    )
+
+
 class CheckpointModel(FSDPModel):
-    def __init__(self, size_mb: float, units: int, world_size: int, optimizer: str = "sgd", batches: int = 2) -> None:
-        width = width_for(size_mb, units)
-        super().__init__(width=width, units=units, wrapping="wrap", optimizer=optimizer, batches=batches)
+    """K blocks of ``Linear(w, w)`` and ``Tanh``, each its own FSDP unit, w from S and K (:func:`width_for`) or given
+    as ``width``. With ``heads`` H, an input head ``Linear(H, w)`` and an output head ``Linear(w, H)`` come before and
+    after the blocks, each its own FSDP unit too, as a transformer's embedding and output projection are: the model
+    then takes and gives vectors of H."""
+
+    def __init__(
+        self, size_mb: float, units: int, world_size: int, optimizer: str = "sgd", batches: int = 2,
+        width: int = 0, heads: int = 0,
+    ) -> None:
+        block = width or width_for(size_mb, units)
+        super().__init__(width=heads or block, units=units, wrapping="wrap", optimizer=optimizer, batches=batches)
         # Seeded from N, S and K only, so every rank and every configuration builds the same model.
         torch.manual_seed(model_seed(size_mb, units, world_size))
-        self.layer = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(units)])
+        layers = [nn.Sequential(nn.Linear(block, block), nn.Tanh()) for _ in range(units)]
+        if heads:
+            layers = [nn.Linear(heads, block), *layers, nn.Linear(block, heads)]
+        self.layer = nn.Sequential(*layers)
+        self.block_width = block
+        #: the fp32 state dict's MiB, S
+        self.state_dict_mb = shape_mb(units, block, heads)
         self._wrapped = False
 
     def configure_sharded_model(self) -> None:

@@ -13,8 +13,9 @@ peer the bytes its file reads returned (the meter). A run's ``write_mbps`` is se
 emulated per-rank link, never a measured one.
 """
 import json
+from statistics import median as _median
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 #: What a run keeps per rank from ``rank<N>.json``'s ``save`` / ``load`` measurements, as ``save_<field>`` and
 #: ``load_<field>`` (MiB, seconds, Hz; for the load also the bytes read of the checkpoint's tensors and passed through
@@ -22,7 +23,7 @@ from typing import Any, Dict, List
 #: exists in GPU mode only.
 _RANK_FIELDS = ("peak_extra_mb", "peak_extra_anon_file_mb", "peak_extra_file_mb", "seconds", "sample_hz",
                 "cuda_max_allocated_mb", "stall_seconds", "first_stall_seconds", "bytes_read", "collective_bytes",
-                "unit_gathers", "state_seconds", "bytes_written", "files_bytes")
+                "unit_gathers", "state_seconds", "bytes_written", "files_bytes", "io_seconds")
 MIB = 1024 * 1024
 
 
@@ -60,6 +61,8 @@ def make_run(config: str, world_size: int, ranks: List[Dict[str, Any]], complete
         "optimizer_state_complete": rank0["save_check"]["optimizer_state_complete"],
         "ok": bool(rank0["ok"]),
         "units": rank0["units"],
+        "heads": rank0.get("heads", 0),
+        "optimizer": rank0.get("optimizer"),
         "unit_mb": rank0["unit_mb"],
         "accelerator": rank0["accelerator"],
         "memory_source": rank0["memory_source"],
@@ -214,6 +217,47 @@ def _save_cell(run: Dict[str, Any]) -> str:
     return f"{seconds:.2f} ({max(written) / MIB:.0f})" if written else f"{seconds:.2f}"
 
 
+def slowest_save_seconds(run: Dict[str, Any]) -> float:
+    """The save time of the run's slowest rank."""
+    return max(r["save_seconds"] for r in run["ranks"])
+
+
+def _outside_io_seconds(run: Dict[str, Any]) -> Optional[float]:
+    """The most any rank's save spent outside its writes and syncs of the checkpoint's files."""
+    ranks = [r for r in run["ranks"] if "save_io_seconds" in r]
+    return max(r["save_seconds"] - r["save_io_seconds"] for r in ranks) if ranks else None
+
+
+def median_save_table(runs: List[Dict[str, Any]]) -> str:
+    """Each configuration's save time at each N (the slowest rank's), the median of its repeated runs (run in
+    alternating order), with the median time outside the checkpoint's writes and syncs, and the ratio of the median
+    to that of the torch DCP peer with the same optimizer at the same N in the same invocation."""
+    runs = [r for r in runs if r["ranks"]]
+    groups: Dict[Any, List[Dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["config"], run["world_size"]), []).append(run)
+    medians = {key: _median([slowest_save_seconds(r) for r in group]) for key, group in groups.items()}
+    header = (
+        f"{'config':>30}  {'N':>2}  {'runs':>4}  {'median save s':>13}  {'outside I/O s':>13}  {'x DCP':>6}  save s"
+    )
+    lines = ["save s, median of the repeated runs (slowest rank; outside I/O: writes and syncs of the checkpoint"
+             " excluded)", header]
+    for (config, n), group in groups.items():
+        peer = next(
+            (medians[key] for key, other in groups.items()
+             if key[1] == n and key[0].startswith("dcp") and other[0].get("optimizer") == group[0].get("optimizer")),
+            None,
+        )
+        outside = [x for x in map(_outside_io_seconds, group) if x is not None]
+        ratio = f"{medians[config, n] / peer:.2f}" if peer and not config.startswith("dcp") else ""
+        lines.append(
+            f"{config:>30}  {n:>2}  {len(group):>4}  {medians[config, n]:>13.3f}"
+            f"  {(f'{_median(outside):.3f}' if outside else ''):>13}  {ratio:>6}  "
+            + ", ".join(f"{slowest_save_seconds(r):.3f}" for r in group)
+        )
+    return "\n".join(lines)
+
+
 def fit_table(fits: List[Dict[str, Any]]) -> str:
     """The wall time of fits that save every K steps, against the same fit without saves (``every`` 0) at each N."""
     base = {f["world_size"]: f["fit_seconds"] for f in fits if f["every"] == 0}
@@ -282,7 +326,8 @@ def plot(runs: List[Dict[str, Any]], path: Path, title: str = "") -> None:
 
 if __name__ == "__main__":
     # ``python -m fsdp_benchmarks.report RESULT.json [--plot OUT.png]``: the markdown table used in
-    # docs/checkpoint_memory.md, and the plot drawn again from saved results.
+    # docs/checkpoint_memory.md, the medians of repeated runs (``--repeat``) where it has them, and the plot drawn
+    # again from saved results.
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m fsdp_benchmarks.report")
@@ -291,5 +336,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     saved = json.loads(args.result.read_text())
     print(markdown_table(saved["runs"]))
+    if any(run.get("repeat", 0) > 0 for run in saved["runs"]):
+        print()
+        print(median_save_table(saved["runs"]))
     if args.plot:
         plot(saved["runs"], args.plot)

@@ -8,14 +8,28 @@ on NFS clients, so the ranks of one node copy their bytes into one file one at a
 lock differently, which this measures. Separate files (one per rank, as torch DCP writes) do not share that lock.
 
 For each number of processes P, P processes start together (a barrier) and each writes ``--mb`` MiB in 8 MiB
-``pwrite`` calls, then ``fdatasync``-s: once into its own range of one file ("one file"), once into a file of its
-own ("own files"), the two alternating ``--repeats`` times. Reported: the median over the repeats of the slowest
-process's seconds for each, and their ratio (one file / own files: about 1 where the writes run in parallel, up to P
-where they are serialized). Every byte of every file is read back and checked; the exit code is non-zero when one
-is wrong or a process fails. Nothing here imports Lightning: it measures the filesystem alone.
+``pwrite`` calls, then ``fdatasync``-s, in each of four modes (:data:`MODES`), alternating their order ``--repeats``
+times:
+
+- "sparse": its own range of one file that has only its final size (holes), as the parallel save's temporary file is
+  where it is not preallocated;
+- "preallocated": the same, into a file whose blocks were allocated first (``fallocate(2)`` itself, as the parallel
+  save prepares it on ext4 and XFS); "refused" where the filesystem does not take ``fallocate``;
+- "direct": the preallocated file again, opened with ``O_DIRECT`` and written from a page-aligned buffer (ext4 and
+  XFS run direct overwrites of allocated blocks concurrently); "refused" where the filesystem does not take
+  ``O_DIRECT`` or ``fallocate``;
+- "own files": a file of its own, as torch DCP writes.
+
+Reported: the median over the repeats of the slowest process's seconds for each mode, and each one-file mode's ratio
+to "own files" (about 1 where the writes run in parallel, up to P where they are serialized). Every byte of every
+file is read back and checked; the exit code is non-zero when one is wrong or a process fails. Nothing here imports
+Lightning: it measures the filesystem alone.
 """
 import argparse
+import ctypes
+import errno
 import json
+import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -31,7 +45,11 @@ import psutil
 
 MIB = 2**20
 CHUNK = 8 * MIB
-MODES = ("one file", "own files")
+#: the ways to write (see the module's docstring); the first three write into one file
+MODES = ("sparse", "preallocated", "direct", "own files")
+SHARED_MODES = MODES[:3]
+#: the mode the one-file modes are compared with
+OWN_FILES = "own files"
 
 
 def parse_procs(text: str) -> List[int]:
@@ -60,17 +78,67 @@ def _chunk_stamp(process: int, chunk: int) -> bytes:
 
 
 def _path(directory: Path, mode: str, process: int) -> Path:
-    return directory / ("shared.bin" if mode == "one file" else f"own-{process}.bin")
+    return directory / ("shared.bin" if mode in SHARED_MODES else f"own-{process}.bin")
 
 
 def _offset(mode: str, process: int, chunks: int) -> int:
-    return process * chunks * CHUNK if mode == "one file" else 0
+    return process * chunks * CHUNK if mode in SHARED_MODES else 0
+
+
+def _fallocate(fd: int, length: int) -> None:
+    """``fallocate(2)`` itself, as the parallel save calls it: glibc's ``posix_fallocate`` would write into every
+    block where the filesystem refuses the call."""
+    if ctypes.CDLL(None, use_errno=True).fallocate64(fd, 0, ctypes.c_int64(0), ctypes.c_int64(length)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _prepare_shared_file(directory: Path, mode: str, procs: int, chunks: int) -> None:
+    """The one file of a shared mode, made before the processes start, as global rank 0 makes the temporary file:
+    with its final size (a sparse file), or with its blocks allocated."""
+    with open(_path(directory, mode, 0), "wb") as file:
+        if mode == "sparse":
+            file.truncate(procs * chunks * CHUNK)
+        else:
+            _fallocate(file.fileno(), procs * chunks * CHUNK)
+
+
+def _refusals(directory: Path) -> Dict[str, str]:
+    """The modes the filesystem at ``directory`` does not take, and why: ``fallocate`` refused (then also "direct",
+    which writes into a preallocated file), ``O_DIRECT`` refused."""
+    path, buffer = directory / "probe.bin", mmap.mmap(-1, mmap.PAGESIZE)
+    refused: Dict[str, str] = {}
+    try:
+        with open(path, "wb") as file:
+            _fallocate(file.fileno(), mmap.PAGESIZE)
+    except OSError as ex:
+        if ex.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        refused["preallocated"] = refused["direct"] = f"fallocate refused ({errno.errorcode[ex.errno]})"
+    try:
+        if "direct" not in refused:
+            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            try:
+                os.pwrite(fd, buffer, 0)
+            finally:
+                os.close(fd)
+    except OSError as ex:
+        if ex.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        refused["direct"] = f"O_DIRECT refused ({errno.errorcode[ex.errno]})"
+    finally:
+        buffer.close()
+        path.unlink(missing_ok=True)
+    return refused
 
 
 def _write(directory: Path, mode: str, process: int, chunks: int, start: Any, results: Any) -> None:
     """One process: its chunks into its range of the file of ``mode``, timed from the barrier to ``fdatasync``."""
-    buffer = bytearray([process % 251 + 1]) * CHUNK
-    fd = os.open(_path(directory, mode, process), os.O_WRONLY | os.O_CREAT, 0o644)
+    # page-aligned, as O_DIRECT needs; the other modes write from the same kind of buffer
+    buffer = mmap.mmap(-1, CHUNK)
+    buffer.write(bytes([process % 251 + 1]) * CHUNK)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if mode == "direct" else 0)
+    fd = os.open(_path(directory, mode, process), flags, 0o644)
     try:
         base = _offset(mode, process, chunks)
         start.wait()
@@ -106,8 +174,8 @@ def run_once(directory: Path, mode: str, procs: int, chunks: int, timeout: float
     fails breaks the barrier, so the others stop too instead of waiting for it until ``timeout``."""
     for stale in directory.glob("*.bin"):
         stale.unlink()
-    if mode == "one file":
-        _path(directory, mode, 0).touch()
+    if mode in SHARED_MODES:
+        _prepare_shared_file(directory, mode, procs, chunks)
     context = multiprocessing.get_context("spawn")
     start, results = context.Barrier(procs), context.Queue()
     workers = [context.Process(target=_write, args=(directory, mode, p, chunks, start, results)) for p in range(procs)]
@@ -155,39 +223,46 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     chunks = args.mb * MIB // CHUNK
     rows = []
     try:
+        refused = _refusals(directory)
+        modes = [mode for mode in MODES if mode not in refused]
         for procs in args.procs:
-            runs: Dict[str, List[Optional[float]]] = {mode: [] for mode in MODES}
+            runs: Dict[str, List[Optional[float]]] = {mode: [] for mode in modes}
             errors: List[str] = []
             for repeat in range(args.repeats):
-                for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
+                for mode in modes if repeat % 2 == 0 else modes[::-1]:
                     result = run_once(directory, mode, procs, chunks, args.timeout)
                     runs[mode].append(result["seconds"])
                     errors += result["errors"]
-            medians = {
-                mode: statistics.median(s) if s and None not in s else None for mode, s in runs.items()
+            medians = {mode: statistics.median(s) if s and None not in s else None for mode, s in runs.items()}
+            own = medians[OWN_FILES]
+            ratios = {
+                mode: medians[mode] / own if medians.get(mode) is not None and own is not None else None
+                for mode in SHARED_MODES
             }
-            ratio = medians["one file"] / medians["own files"] if None not in medians.values() else None
-            rows.append({
-                "procs": procs, "one_file_s": runs["one file"], "own_files_s": runs["own files"],
-                "one_file_median_s": medians["one file"], "own_files_median_s": medians["own files"],
-                "ratio": ratio, "errors": errors,
-            })
+            rows.append({"procs": procs, "seconds": runs, "medians": medians, "ratios": ratios, "errors": errors})
             print(_row(rows[-1]), flush=True)
     finally:
         for path in directory.glob("*.bin"):
             path.unlink()
         directory.rmdir()
-    return {"dir": str(args.dir), "filesystem": filesystem_of(args.dir), "mb_per_process": args.mb, "rows": rows}
+    return {
+        "dir": str(args.dir), "filesystem": filesystem_of(args.dir), "mb_per_process": args.mb, "modes": list(MODES),
+        "refused": refused, "rows": rows,
+    }
 
 
 def _row(row: Dict[str, Any]) -> str:
-    def cell(value: Optional[float]) -> str:
-        return "failed" if value is None else f"{value:.3f}"
+    def cell(mode: str) -> str:
+        if mode not in row["medians"]:
+            return "refused"
+        value = row["medians"][mode]
+        if value is None:
+            return "failed"
+        ratio = row["ratios"].get(mode)
+        return f"{value:.3f}" + ("" if ratio is None else f" ({ratio:.2f}x)")
 
-    ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
-    return (
-        f"{row['procs']:>5} {cell(row['one_file_median_s']):>13} {cell(row['own_files_median_s']):>13} {ratio:>20}"
-        + (f"   {len(row['errors'])} error(s): {row['errors'][0]}" if row["errors"] else "")
+    return f"{row['procs']:>5} " + " ".join(f"{cell(mode):>20}" for mode in MODES) + (
+        f"   {len(row['errors'])} error(s): {row['errors'][0]}" if row["errors"] else ""
     )
 
 
@@ -199,9 +274,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.dir.is_dir():
         parser.error(f"--dir {args.dir} is not a directory")
     print(f"{args.mb} MiB per process in {CHUNK // MIB} MiB pwrite calls, then fdatasync; {args.dir} "
-          f"({filesystem_of(args.dir)}); median of {args.repeats} runs, slowest process, seconds")
-    print(f"{'procs':>5} {'one file':>13} {'own files':>13} {'one file / own files':>20}", flush=True)
+          f"({filesystem_of(args.dir)}); median of {args.repeats} runs, slowest process, seconds (x own files)")
+    print(f"{'procs':>5} " + " ".join(f"{mode:>20}" for mode in MODES), flush=True)
     result = measure(args)
+    for mode, reason in result["refused"].items():
+        print(f"{mode}: {reason}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--size-mb", type=float, default=256)
     parser.add_argument("--units", type=int, default=16)
+    parser.add_argument("--width", type=int, default=0, help="the blocks' width (default: from --size-mb and --units)")
+    parser.add_argument("--heads", type=int, default=0, help="the width of an input and an output head (0: none)")
     parser.add_argument("--optimizer", choices=["sgd", "sgd-plain", "adam"], default="sgd")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--ckpt-dir", type=Path, help="where the checkpoint is written (default: --out)")
@@ -68,17 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-mbps", type=float, help="throttle this rank's checkpoint writes to this many MB/s")
 
 
-def describe_run(args: argparse.Namespace, rank: int, width: int, accelerator: str, write_mbps: Any) -> Dict[str, Any]:
+def describe_run(
+    args: argparse.Namespace, rank: int, model: CheckpointModel, accelerator: str, write_mbps: Any
+) -> Dict[str, Any]:
     """The fields every rank's result starts with: the run, the model's shape, the memory source and the build."""
     return {
         "rank": rank,
         "config": args.config,
         "world_size": args.devices,
         "accelerator": accelerator,
-        "width": width,
+        "width": model.block_width,
+        "heads": args.heads,
+        "optimizer": args.optimizer,
         "units": args.units,
-        "unit_mb": state_dict_mb(width, 1),
-        "state_dict_mb": state_dict_mb(width, args.units),
+        "unit_mb": state_dict_mb(model.block_width, 1),
+        "state_dict_mb": model.state_dict_mb,
         "memory_source": memory_source(),
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "lightning_version": pytorch_lightning.__version__,
@@ -110,7 +116,9 @@ def make_strategy(args: argparse.Namespace) -> Any:
 
 def make_model(args: argparse.Namespace) -> CheckpointModel:
     seed_everything(1234, workers=True)
-    return CheckpointModel(args.size_mb, args.units, args.devices, optimizer=args.optimizer)
+    return CheckpointModel(
+        args.size_mb, args.units, args.devices, optimizer=args.optimizer, width=args.width, heads=args.heads
+    )
 
 
 def make_trainer(args: argparse.Namespace, **overrides: Any) -> Trainer:
@@ -247,7 +255,7 @@ class SaveProbe(Callback):
         """The measured save; returns how long ``save_checkpoint`` blocked."""
         strategy = trainer.strategy
         strategy.barrier("before-save")
-        written = self.meter.snapshot()["bytes_written"]
+        before = self.meter.snapshot()
         with PeakMemory(cuda_device=strategy.root_device if self.cuda else None) as meter:
             start = time.monotonic()
             trainer.save_checkpoint(self.path)
@@ -255,8 +263,7 @@ class SaveProbe(Callback):
             wait = getattr(strategy, "wait_for_checkpoint", None)
             if callable(wait):
                 wait()
-        written = self.meter.snapshot()["bytes_written"] - written
-        self.result = {**meter.result(), "stall_seconds": stall, "bytes_written": written}
+        self.result = {**meter.result(), "stall_seconds": stall, **self.meter.since(before)}
         strategy.barrier("after-save")
         return stall
 
@@ -271,7 +278,7 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     trainer = make_trainer(args, callbacks=[saver])
     trainer.fit(model)
     rank = trainer.global_rank
-    width = model.width
+    shape = describe_run(args, rank, model, args.accelerator, args.write_mbps)
     if not saver.in_fit:
         saver.save(trainer)
     save_check = check_saved_file(model, path, rank, args)
@@ -291,7 +298,7 @@ def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     trainer.strategy.barrier("after-resume-check")
 
     result: Dict[str, Any] = {
-        **describe_run(args, rank, width, args.accelerator, args.write_mbps),
+        **shape,
         "save": saver.result,
         "load": probe.result,
     }
@@ -327,7 +334,10 @@ def fit_with_checkpoints(args: argparse.Namespace) -> Dict[str, Any]:
     ckpt_dir = args.ckpt_dir or args.out
     saves = PeriodicSaves(Path(ckpt_dir) / f"{args.config}-n{args.devices}-every{args.every}.ckpt", args.every)
     seed_everything(1234, workers=True)
-    model = CheckpointModel(args.size_mb, args.units, args.devices, optimizer=args.optimizer, batches=args.steps)
+    model = CheckpointModel(
+        args.size_mb, args.units, args.devices, optimizer=args.optimizer, batches=args.steps, width=args.width,
+        heads=args.heads,
+    )
     trainer = make_trainer(args, callbacks=[saves])
     start = time.monotonic()
     trainer.fit(model)

@@ -47,6 +47,7 @@ RANK_KEYS = {
     "rank", "save_peak_extra_mb", "save_peak_extra_anon_file_mb", "save_peak_extra_file_mb", "save_seconds",
     "load_peak_extra_mb", "load_peak_extra_anon_file_mb", "load_peak_extra_file_mb", "load_seconds",
     "load_state_seconds", "load_bytes_read", "load_collective_bytes", "load_unit_gathers", "save_bytes_written",
+    "save_io_seconds",
 }
 #: the counts among ``RANK_KEYS`` (the rest are MiB and seconds)
 RANK_COUNTS = {"rank", "load_bytes_read", "load_collective_bytes", "load_unit_gathers", "save_bytes_written"}
@@ -115,7 +116,8 @@ def _check_result(result, configs, mbps):
     for run in runs:
         assert run["ok"] is True, run
         assert run["world_size"] == 2 and [r["rank"] for r in run["ranks"]] == [0, 1]
-        assert 7 < run["state_dict_mb"] <= 8
+        # 4 blocks of 640 and the two heads of 320 (``--width``, ``--heads``)
+        assert 7 < run["state_dict_mb"] <= 8 and run["heads"] == 320
         assert "INCOMPLETE" in result["meta"]["configurations"][run["config"]].upper() or run["complete_checkpoint"]
         (_check_dcp_run if run["config"] in DCP else _check_lightning_run)(run)
         assert run["node_save_peak_extra_mb"] == pytest.approx(sum(r["save_peak_extra_mb"] for r in run["ranks"]))
@@ -128,12 +130,15 @@ def _check_result(result, configs, mbps):
             assert run["write_mbps"] == mbps
             for rank in run["ranks"]:
                 assert rank["save_seconds"] >= rank["save_bytes_written"] / (mbps * 1e6)
+                # the writes and syncs of the checkpoint, which waited for the link, are its I/O seconds
+                assert rank["save_seconds"] >= rank["save_io_seconds"] >= rank["save_bytes_written"] / (mbps * 1e6)
 
 
 def _smoke(tmp_path, configs, timeout):
     json_path, plot_path, mbps = tmp_path / "result.json", tmp_path / "result.png", 20.0
     proc = run_benchmark(
-        "--devices", "2", "--size-mb", "8", "--units", "4", "--accelerator", "cpu", "--json", str(json_path),
+        "--devices", "2", "--units", "4", "--width", "640", "--heads", "320", "--accelerator", "cpu", "--json",
+        str(json_path),
         "--plot", str(plot_path), "--out", str(tmp_path / "out"), "--timeout", "180", "--write-mbps", str(mbps),
         "--configs", ",".join(configs),
         timeout=timeout,
@@ -145,6 +150,7 @@ def _smoke(tmp_path, configs, timeout):
     _check_result(result, configs, mbps)
     assert set(result["meta"]["builds"]) == {"compat", "fork"}
     assert result["meta"]["builds"]["compat"].endswith(".compat")
+    assert (result["meta"]["width"], result["meta"]["heads"]) == (640, 320)
     assert plot_path.stat().st_size > 1000
     # --out keeps rank results and logs, but not the S-sized checkpoints or DCP's files
     assert not list((tmp_path / "out").rglob("*.ckpt")) and not list((tmp_path / "out").rglob("*.distcp"))
@@ -214,3 +220,38 @@ def test_plot_from_saved_results(tmp_path):
         assert proc.returncode == 0, proc.stdout
         height, width, _ = matplotlib.image.imread(plot_path).shape
         assert width > 1.5 * height > 600  # two panels side by side, at a readable resolution
+
+
+@pytest.mark.timeout(120)
+def test_medians_of_repeated_runs(tmp_path):
+    """``python -m fsdp_benchmarks.report RESULT.json`` of a ``--repeat`` run prints, per configuration and N, the
+    median of the slowest rank's save time over the repeats, the median time outside the checkpoint's writes and
+    syncs, and the ratio of the median to the DCP peer's with the same optimizer."""
+
+    def repeated(config, optimizer, repeat, seconds, io_seconds):
+        run = _synthetic_run(config, 2, 1.0, 1.0)
+        ranks = [
+            dict(run["ranks"][0], rank=rank, save_seconds=s, save_io_seconds=io)
+            for rank, (s, io) in enumerate(zip(seconds, io_seconds))
+        ]
+        return dict(run, ranks=ranks, optimizer=optimizer, repeat=repeat)
+
+    runs = [
+        # slowest rank's save: 0.30, 0.12, 0.20 s; outside I/O (most of any rank): 0.10, 0.05, 0.08 s
+        repeated("fork-parallel", "sgd", 0, [0.30, 0.25], [0.20, 0.20]),
+        repeated("fork-parallel", "sgd", 1, [0.10, 0.12], [0.05, 0.08]),
+        repeated("fork-parallel", "sgd", 2, [0.20, 0.15], [0.12, 0.10]),
+        repeated("dcp-fsdp2", "sgd", 0, [0.40, 0.30], [0.1, 0.1]),
+        repeated("dcp-fsdp2", "sgd", 1, [0.25, 0.25], [0.1, 0.1]),
+        repeated("dcp-fsdp2", "sgd", 2, [0.35, 0.30], [0.1, 0.1]),
+        repeated("dcp-fsdp2-adam", "adam", 0, [9.0, 9.0], [0.1, 0.1]),  # another optimizer's peer: not compared
+    ]
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"runs": runs, "meta": {}}))
+    proc = subprocess.run([sys.executable, "-m", "fsdp_benchmarks.report", str(result)], cwd=ROOT,
+                          env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in proc.stdout.splitlines() if " 2 " in line}
+    # runs, median, outside I/O, x DCP, then the runs' seconds
+    assert rows["fork-parallel", "2"][:4] == ["3", "0.200", "0.080", "0.57"], proc.stdout
+    assert rows["dcp-fsdp2", "2"][:3] == ["3", "0.350", "0.250"], proc.stdout

@@ -13,7 +13,8 @@ import pytest
 from fsdp_harness.multiprocess import ROOT
 
 MODULE = "fsdp_benchmarks.shared_file_writes"
-ROW_KEYS = {"procs", "one_file_s", "own_files_s", "one_file_median_s", "own_files_median_s", "ratio", "errors"}
+ROW_KEYS = {"procs", "seconds", "medians", "ratios", "errors"}
+MODES = ["sparse", "preallocated", "direct", "own files"]
 
 #: loaded by every process of the benchmark: the third ``pwrite`` of each writing process stores a wrong last byte, as
 #: a filesystem that loses a write would leave it; or process 1 cannot create its own file (ENOSPC)
@@ -25,10 +26,15 @@ if os.environ.get("CORRUPT_THIRD_PWRITE"):
 
     def corrupting(fd, data, offset):
         calls.append(1)
+        if len(calls) != 3 or not os.readlink(f"/proc/self/fd/{fd}").endswith(".bin"):
+            return pwrite(fd, data, offset)
+        # in place, so that an O_DIRECT write keeps its aligned buffer
         view = memoryview(data).cast("B")
-        if len(calls) == 3 and os.readlink(f"/proc/self/fd/{fd}").endswith(".bin"):
-            data = bytes(view[:-1]) + bytes([view[-1] ^ 0xFF])
-        return pwrite(fd, data, offset)
+        view[-1] ^= 0xFF
+        try:
+            return pwrite(fd, data, offset)
+        finally:
+            view[-1] ^= 0xFF
 
     os.pwrite = corrupting
 
@@ -64,8 +70,9 @@ def run_two_processes_with_fault(tmp_path, fault, mb):
     json_path = tmp_path / "result.json"
     proc = run_benchmark(tmp_path, "--procs", "2", "--mb", mb, "--repeats", "1", "--json", str(json_path), env=env)
     assert proc.returncode == 1, proc.stdout[-8000:]
-    (row,) = json.loads(json_path.read_text())["rows"]
-    return proc, row
+    result = json.loads(json_path.read_text())
+    (row,) = result["rows"]
+    return proc, row, [mode for mode in MODES if mode not in result["refused"]]
 
 
 @pytest.mark.timeout(150)
@@ -74,24 +81,28 @@ def test_shared_file_writes_smoke(tmp_path):
     json_path = tmp_path / "result.json"
     proc = run_benchmark(tmp_path, "--procs", "1,2", "--mb", "16", "--repeats", "2", "--json", str(json_path))
     assert proc.returncode == 0, proc.stdout[-8000:]
-    assert "one file / own files" in proc.stdout  # the table
+    assert all(mode in proc.stdout for mode in MODES)  # the table
     result = json.loads(json_path.read_text())
     assert result["mb_per_process"] == 16 and result["filesystem"] != "unknown"
     assert [row["procs"] for row in result["rows"]] == [1, 2]
+    assert result["modes"] == MODES
+    # a filesystem may refuse fallocate or O_DIRECT (tmpfs takes O_DIRECT from Linux 6.6 on); the others always run
+    assert set(result["refused"]) <= {"preallocated", "direct"}
+    run = [mode for mode in MODES if mode not in result["refused"]]
     for row in result["rows"]:
         assert ROW_KEYS <= set(row) and row["errors"] == []
-        assert len(row["one_file_s"]) == len(row["own_files_s"]) == 2
-        assert all(seconds > 0 for seconds in row["one_file_s"] + row["own_files_s"])
+        assert list(row["seconds"]) == run and all(len(runs) == 2 for runs in row["seconds"].values())
+        assert all(seconds > 0 for runs in row["seconds"].values() for seconds in runs)
+        assert all(row["ratios"][mode] > 0 for mode in run if mode != "own files")
     assert list((tmp_path / "fs").iterdir()) == []  # its files are removed
 
 
 @pytest.mark.timeout(150)
 def test_shared_file_writes_finds_a_wrong_byte(tmp_path):
-    proc, row = run_two_processes_with_fault(tmp_path, "CORRUPT_THIRD_PWRITE", "24")
-    assert "one file, process 0, chunk 2: not the bytes written" in proc.stdout
+    proc, row, run = run_two_processes_with_fault(tmp_path, "CORRUPT_THIRD_PWRITE", "24")
+    assert "sparse, process 0, chunk 2: not the bytes written" in proc.stdout
     assert row["errors"] == [
-        f"{mode}, process {process}, chunk 2: not the bytes written"
-        for mode in ("one file", "own files") for process in (0, 1)
+        f"{mode}, process {process}, chunk 2: not the bytes written" for mode in run for process in (0, 1)
     ]
 
 
@@ -99,6 +110,6 @@ def test_shared_file_writes_finds_a_wrong_byte(tmp_path):
 def test_shared_file_writes_process_that_fails_stops_the_others(tmp_path):
     """Process 1 cannot create its own file: process 0, already waiting for it at the start, stops too (the barrier
     is broken) rather than waiting until ``--timeout``; both are reported and the benchmark exits 1."""
-    _, row = run_two_processes_with_fault(tmp_path, "FAIL_OPEN_OWN_1", "8")
+    _, row, run = run_two_processes_with_fault(tmp_path, "FAIL_OPEN_OWN_1", "8")
     assert row["errors"] == ["process 0 exited with 1", "process 1 exited with 1"], row
-    assert row["one_file_s"][0] > 0 and row["own_files_s"] == [None]
+    assert all(row["seconds"][mode][0] > 0 for mode in run[:-1]) and row["seconds"]["own files"] == [None]
