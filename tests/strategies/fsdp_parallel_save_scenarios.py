@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
@@ -80,10 +81,10 @@ def recording_writes(writes: Ranges, records: Ranges, threads: Optional[List[str
     save = fsdp_streaming_save._save_checkpoint_if_streamed
     original = None
 
-    def save_recording(strategy: Any, checkpoint: Any, filepath: Any, units_writer: Any) -> bool:
+    def save_recording(strategy: Any, checkpoint: Any, filepath: Any, units_writer: Any, *plan: Any) -> bool:
         nonlocal original
         original = units_writer
-        return save(strategy, checkpoint, filepath, write_units)
+        return save(strategy, checkpoint, filepath, write_units, *plan)
 
     with mock.patch.object(os, "pwrite", recorded), mock.patch(
         "pytorch_lightning.strategies.fsdp_checkpointer._save_checkpoint_if_streamed", save_recording
@@ -501,6 +502,77 @@ def slow_writer(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+@contextmanager
+def counting_save_costs(costs: Dict[str, Any]) -> Iterator[None]:
+    """Count, on this rank, the reads of the mount table (``psutil.disk_partitions``), the flag exchanges (every
+    ``torch.distributed.all_gather`` of a parallel save is one) and the object collectives, and record the size and
+    the allocated bytes (``st_blocks``) of the temporary file just before this rank writes its shards."""
+    import psutil
+
+    costs.update(mount_table_reads=0, flag_exchanges=0, object_collectives=0)
+
+    def counted(owner: Any, name: str, key: str) -> Any:
+        original = getattr(owner, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            costs[key] += 1
+            return original(*args, **kwargs)
+
+        return mock.patch.object(owner, name, call)
+
+    write_own_shards = fsdp_parallel_save._write_own_shards
+
+    def measured(strategy: Any, stream: Any, table: Any, *args: Any) -> None:
+        stat = os.stat(table.path)
+        costs.update(size=stat.st_size, allocated=stat.st_blocks * 512)
+        return write_own_shards(strategy, stream, table, *args)
+
+    with counted(psutil, "disk_partitions", "mount_table_reads"), counted(
+        torch.distributed, "all_gather", "flag_exchanges"
+    ), counted(torch.distributed, "broadcast_object_list", "object_collectives"), counted(
+        torch.distributed, "all_gather_object", "object_collectives"
+    ), mock.patch.object(fsdp_parallel_save, "_write_own_shards", measured):
+        yield
+
+
+def save_costs(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fit and save once; then, counted (:func:`counting_save_costs`), save again over it: the fixed costs of one
+    parallel save on this rank, and the temporary file's allocation before the ranks write their shards."""
+    trainer, _ = fit(args, epochs=1)
+    trainer.save_checkpoint(args.out / "last.ckpt")
+    costs: Dict[str, Any] = {"rank": trainer.global_rank}
+    with counting_save_costs(costs):
+        trainer.save_checkpoint(args.out / "last.ckpt")
+    return costs
+
+
+def saves_on_filesystem(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fit, then save into ``--ckpt-dir`` (a small real filesystem of the test's), change the weights and save over
+    it: what the second save raised on this rank, and on rank 0 whether the file is the first save's (``unchanged``),
+    the temporary files left, and the differences between the second file (where it was written) and a gathered save
+    of the same state into ``--out``."""
+    trainer, model = fit(args, epochs=1)
+    path = Path(args.ckpt_dir) / "last.ckpt"
+    trainer.save_checkpoint(path)
+    before = path.read_bytes() if trainer.global_rank == 0 else b""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": None}
+    try:
+        trainer.save_checkpoint(path)
+    except CheckpointError as ex:
+        result["raised"] = str(ex)
+    trainer.strategy.stream_checkpoint = False
+    trainer.save_checkpoint(args.out / "gathered.ckpt")
+    if trainer.global_rank == 0:
+        result["unchanged"] = path.read_bytes() == before
+        result["temporary_files"] = sorted(p.name for p in Path(args.ckpt_dir).glob("*.tmp"))
+        if result["raised"] is None:
+            result["differences"] = differences(load(path), load(args.out / "gathered.ckpt"))
+    return result
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=["plain", "tied"], default="tied")
     parser.add_argument("--wrapping", choices=["wrap", "auto_wrap"], default="wrap")
@@ -508,6 +580,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--writers", choices=["rank0", "all", "default"], default="all")
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--ckpt-dir", default=None, help="saves_on_filesystem: the filesystem to save into")
     parser.add_argument(
         "--killed-in", choices=["pwrite", "exchange", "structure"], default="pwrite",
         help="killed_while_writing: kill rank 1 in its pwrite of a shard, in the exchange of the block-edge bytes, or"
@@ -532,6 +605,8 @@ if __name__ == "__main__":
             "killed_while_writing": killed_while_writing,
             "async_killed_while_writing": async_killed_while_writing,
             "slow_writer": slow_writer,
+            "save_costs": save_costs,
+            "saves_on_filesystem": saves_on_filesystem,
         },
         add_arguments,
     )

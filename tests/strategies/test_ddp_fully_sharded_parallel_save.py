@@ -15,8 +15,10 @@ five batches of one driver (2 ranks, 1, 2 again three times), each of the 2-rank
 rank 1.
 """
 import json
+import subprocess
+from contextlib import ExitStack
 from pathlib import Path
-from typing import List, Tuple
+from typing import Dict, Iterator, List, Tuple
 from unittest import mock
 
 import pytest
@@ -24,6 +26,7 @@ import pytest
 from fsdp_harness.runner import ScenarioBatches
 from pytorch_lightning.strategies.fsdp_parallel_save import _checked_checkpoint_writers
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from tests.helpers.loop_mount import loop_mount_unavailable, mounted_ext4
 from tests.helpers.runif import RunIf
 
 SCENARIOS = "tests.strategies.fsdp_parallel_save_scenarios"
@@ -50,6 +53,18 @@ FAULT_SCENARIOS = {
 }
 #: ``PL_CHECKPOINT_TIMEOUT`` of the slow rank's case, and how long rank 1 stalls in a write there
 SLOW_TIMEOUT, SLOW_STALL = 2, 5
+#: the loop-mounted ext4 filesystems (MiB, ``mkfs.ext4 -O`` features): at width 600 a checkpoint is about 8.3 MiB
+#: (3 units, SGD momentum), so "full" (about 13 MiB free) holds one but not a second beside it
+SMALL_FILESYSTEMS = {"full": (16, ()), "no_fallocate": (64, ("^extent", "^64bit"))}
+FILESYSTEM_WIDTH = 600
+#: why the loop mounts failed, where they did
+UNMOUNTABLE: List[str] = []
+#: the fixed costs of one parallel save on each of 2 ranks (``save_costs``): one read of its mount table; the flag
+#: exchanges of the ranks' arrival, of ``Trainer.save_checkpoint``'s agreement after the dump, of the agreement before
+#: the block exchange, of the writes' settlement and of ``Trainer.save_checkpoint``'s final exchange; the object
+#: collectives of the stream decision, of rank 0's structure decision with its plan, and of the writers' probe
+#: results
+SAVE_COSTS = {"mount_table_reads": 1, "flag_exchanges": 5, "object_collectives": 3}
 
 
 def _case(model: str, wrapping: str, optimizer: str, width: int) -> str:
@@ -62,7 +77,27 @@ def _options(model: str, wrapping: str, optimizer: str, width: int) -> List[str]
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(tmp_path_factory) -> ScenarioBatches:
+def small_filesystems(tmp_path_factory) -> Iterator[Dict[str, Path]]:
+    """Real ext4 filesystems on loop devices for the parallel save's preallocation (none where they cannot be
+    mounted here): "full", too small for a second checkpoint beside the first; "no_fallocate", without extents, so
+    that ``fallocate`` fails with ``EOPNOTSUPP``."""
+    if loop_mount_unavailable() is not None:
+        yield {}
+        return
+    with ExitStack() as stack:
+        try:
+            mounts = {
+                name: stack.enter_context(mounted_ext4(tmp_path_factory.mktemp(name), size_mb, features))
+                for name, (size_mb, features) in SMALL_FILESYSTEMS.items()
+            }
+        except subprocess.CalledProcessError as ex:  # no free loop device, or no right to mount one
+            UNMOUNTABLE.append(f"{' '.join(ex.cmd[:3])} failed: {ex.stderr!r}")
+            mounts = {}
+        yield mounts
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory, small_filesystems) -> ScenarioBatches:
     batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("parallel"))
     for name, (devices, timeout) in BATCHES.items():
         env = {"PL_CHECKPOINT_TIMEOUT": str(KILLED_TIMEOUT)} if name in ("later", "exchange", "structure") else None
@@ -92,6 +127,10 @@ def parallel_runs(tmp_path_factory) -> ScenarioBatches:
         batches.batch("two", 2).add(scenario, scenario, "--writers", WRITERS, "--width", 72)
     slow = ["--timeout", SLOW_TIMEOUT, "--stall", SLOW_STALL]
     batches.batch("two", 2).add("slow_writer", "slow_writer", "--writers", WRITERS, "--width", 72, *slow)
+    batches.batch("two", 2).add("save_costs", "save_costs", "--writers", WRITERS, "--width", 72)
+    for name, folder in small_filesystems.items():
+        options = ["--writers", WRITERS, "--width", FILESYSTEM_WIDTH, "--ckpt-dir", folder]
+        batches.batch("two", 2).add(f"filesystem-{name}", "saves_on_filesystem", *options)
     # rank 1 is gone after it: the last case of its batch
     killed = ["--writers", WRITERS, "--width", 72, "--timeout", KILLED_TIMEOUT]
     batches.batch("two", 2).add("async_killed", "async_killed_while_writing", *killed, fails=True)
@@ -360,8 +399,56 @@ def test_rank_file_writes_byte_ranges(tmp_path, device):
     path.write_bytes(bytes(64))
     data = torch.arange(12, dtype=torch.float32, device=device).view(torch.uint8)
     with mock.patch.object(fsdp_parallel_save, "STAGING_BYTES", 8), fsdp_parallel_save._RankFile(
-        str(path), flush_bytes=8
+        str(path), fsync_chunks=True, flush_bytes=8
     ) as file:
         file.write(data, 4, 20, 40)
     assert path.read_bytes()[40:60] == data.cpu().numpy().tobytes()[4:24]
     assert path.read_bytes()[:40] == bytes(40) and path.stat().st_size == 64
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_parallel_save_fixed_costs(parallel_runs):
+    """One parallel save reads each rank's mount table once, and exchanges no more flags and objects than it needs:
+    rank 0's structure decision, record table and probe file travel in one broadcast, and the ranks agree once
+    before the block exchange."""
+    for result in parallel_runs.results("save_costs"):
+        assert {key: result[key] for key in SAVE_COSTS} == SAVE_COSTS, result
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_parallel_save_preallocates_on_local_block_filesystems(parallel_runs):
+    """Where the temporary file is on ext4 or XFS, its blocks are allocated before any rank writes its shards (each
+    rank sees it so): the ranks overwrite allocated blocks instead of filling holes under the inode's lock."""
+    from pytorch_lightning.utilities.checkpoint_flush import _mount_of
+    from pytorch_lightning.utilities.file_preallocation import PREALLOCATED_FSTYPES
+
+    folder = parallel_runs.batch("two", 2).folder("save_costs")
+    mount = _mount_of(str(folder))
+    if mount is None or mount.fstype not in PREALLOCATED_FSTYPES:
+        pytest.skip(f"{folder} is not on {' or '.join(PREALLOCATED_FSTYPES)} ({mount})")
+    for result in parallel_runs.results("save_costs"):
+        assert result["allocated"] >= result["size"] > 0, result
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_parallel_save_on_a_full_filesystem(parallel_runs, small_filesystems):
+    """A real ext4 too small for the second checkpoint: its preallocation fails with ``ENOSPC`` (without it, a rank's
+    write does), the save raises on every rank, the first file is intact and no temporary file is left."""
+    if "full" not in small_filesystems:
+        pytest.skip(f"no loop mount: {loop_mount_unavailable() or UNMOUNTABLE}")
+    results = parallel_runs.results("filesystem-full")
+    for result in results:
+        assert result["raised"] is not None and "No space left on device" in result["raised"], result
+    assert results[0]["unchanged"] is True
+    assert results[0]["temporary_files"] == []
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_parallel_save_where_fallocate_is_refused(parallel_runs, small_filesystems):
+    """A real ext4 without extents refuses ``fallocate`` (``EOPNOTSUPP``): the save goes on as without
+    preallocation, and its file equals the gathered save's."""
+    if "no_fallocate" not in small_filesystems:
+        pytest.skip(f"no loop mount: {loop_mount_unavailable() or UNMOUNTABLE}")
+    results = parallel_runs.results("filesystem-no_fallocate")
+    assert [result["raised"] for result in results] == [None, None]
+    assert results[0]["differences"] == [] and results[0]["temporary_files"] == []

@@ -39,7 +39,7 @@ from pytorch_lightning.strategies.fsdp_checkpoint_errors import (
 )
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _FSDPCheckpointState, _SaveSession
 from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
-from pytorch_lightning.strategies.fsdp_parallel_save import _write_units_by_every_rank
+from pytorch_lightning.strategies.fsdp_parallel_save import _plan_own_writes, _write_units_by_every_rank
 from pytorch_lightning.strategies.fsdp_optimizer_state import (
     _check_optimizer_state_layout,
     _load_optimizer_state_dict,
@@ -57,7 +57,7 @@ from pytorch_lightning.strategies.fsdp_stream_decision import (
     _CheckpointStream,
     _streamed_model_state_dict,
 )
-from pytorch_lightning.strategies.fsdp_streaming_save import _save_checkpoint_if_streamed, _UnitsWriter
+from pytorch_lightning.strategies.fsdp_streaming_save import _save_checkpoint_if_streamed
 from pytorch_lightning.utilities.checkpoint_errors import _distributed_run
 from pytorch_lightning.utilities.types import _PATH
 
@@ -135,16 +135,19 @@ class _FSDPCheckpointer:
         return _optimizer_state(self._strategy, optimizer)
 
     def save_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
-        return _save_checkpoint_if_streamed(self._strategy, checkpoint, filepath, self._units_writer())
+        if not self._every_rank_may_write():
+            return _save_checkpoint_if_streamed(
+                self._strategy, checkpoint, filepath, _write_streamed_units_in_background
+            )
+        write_units = partial(_write_units_by_every_rank, fallback=_write_streamed_units_in_background)
+        return _save_checkpoint_if_streamed(self._strategy, checkpoint, filepath, write_units, _plan_own_writes)
 
-    def _units_writer(self) -> _UnitsWriter:
-        """What writes a streamed save's units: global rank 0 (in the background where it may), or every rank its
-        own shards (``checkpoint_writers``, see :mod:`.fsdp_parallel_save`). A single process with ``"auto"`` writes
-        as before: nothing to probe, and no other writer to share the file with."""
+    def _every_rank_may_write(self) -> bool:
+        """Whether a streamed save's units may be written by every rank, its own shards (``checkpoint_writers``, see
+        :mod:`.fsdp_parallel_save`), or by global rank 0 alone (in the background where it may). A single process
+        with ``"auto"`` writes as before: nothing to probe, and no other writer to share the file with."""
         writers = self._strategy.checkpoint_writers
-        if writers == "rank0" or (writers == "auto" and not _distributed_run(self._strategy.world_size)):
-            return _write_streamed_units_in_background
-        return partial(_write_units_by_every_rank, fallback=_write_streamed_units_in_background)
+        return not (writers == "rank0" or (writers == "auto" and not _distributed_run(self._strategy.world_size)))
 
     def wait_for_checkpoint(self) -> None:
         _wait_for_checkpoint(self._strategy)

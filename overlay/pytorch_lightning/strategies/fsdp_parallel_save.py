@@ -9,7 +9,8 @@ background thread writes its own copies into the file (the background save's mac
 :mod:`.fsdp_async_checkpoint`): no unit is gathered, and global rank 0 holds only its own copies.
 
 The hook is the checkpointer's ``save_if_streamed``, which passes :func:`_write_units_by_every_rank` to the streamed
-save where ``checkpoint_writers`` is ``"all"``, or ``"auto"`` (the default) with more than one process.
+save, and :func:`_plan_own_writes` for global rank 0 to run once it wrote the structure, where
+``checkpoint_writers`` is ``"all"``, or ``"auto"`` (the default) with more than one process.
 """
 # fork-feature: fork/fsdp-parallel-save.patch
 import os
@@ -40,11 +41,16 @@ from pytorch_lightning.strategies.fsdp_streaming_save import _streamed_optimizer
 from pytorch_lightning.strategies.fsdp_writer_decision import (  # noqa: F401 (the strategy's argument check)
     _checked_checkpoint_writers,
     _decide_checkpoint_writers,
+    _Probe,
+    _probe_wanted,
+    _remove_probe,
+    _write_probe_for_ranks,
 )
-from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _checkpoint_process_group
-from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
+from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _Mount, _mount_of
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.file_preallocation import _preallocate
 from pytorch_lightning.utilities.streamed_checkpoint_file import (
     _committed_if_complete,
     _memory_of,
@@ -97,59 +103,74 @@ def _write_block_size() -> int:
     return int(value)
 
 
+class _RankZeroPlan(NamedTuple):
+    """What global rank 0 sends every rank with the checkpoint's structure (:func:`_plan_own_writes`): where the
+    FSDP records lie, and the probe file of the writers' decision (``None`` where none is wanted)."""
+
+    table: _RecordTable
+    probe: Optional[_Probe]
+
+    def discard(self) -> None:
+        """On global rank 0, once the writers' decision is made or the save stopped before it: remove the probe file
+        (if the decision has not, or rank 0 wrote none)."""
+        _remove_probe(os.path.dirname(self.table.path), self.probe)
+
+
+def _plan_own_writes(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, writer: _StreamedCheckpointFile
+) -> _RankZeroPlan:
+    """On global rank 0, once it wrote the structure into ``writer``: the :class:`_RankZeroPlan`, sent to every rank
+    in the broadcast of its decision (see ``_write_streamed_skeleton``). It allocates the file's blocks where its
+    filesystem gains from it (:func:`_preallocate`), makes the structure visible to the other ranks' clients
+    (``fsync``: close-to-open on NFS) and writes the probe file.
+
+    Raises:
+        OSError: ``ENOSPC`` where the file's blocks do not fit; the save then fails on every rank before any rank
+            writes, and the temporary file is removed.
+    """
+    _preallocate(writer.fileno(), writer.mount)
+    os.fsync(writer.fileno())
+    table = _record_table(strategy, stream, writer)
+    wanted = _probe_wanted(strategy, strategy.checkpoint_writers)
+    return _RankZeroPlan(table, _write_probe_for_ranks(os.path.dirname(writer.tmp_path)) if wanted else None)
+
+
 def _write_units_by_every_rank(
     strategy: "DDPFullyShardedStrategy",
     stream: _CheckpointStream,
     writer: Optional[_StreamedCheckpointFile],
     fallback: _UnitsWriter,
 ) -> None:
-    """Once global rank 0 wrote the structure into ``writer``, every rank writes its own shards into the file where
+    """Once global rank 0 wrote the structure into ``writer`` and sent every rank its plan (``stream.plan``, see
+    :func:`_plan_own_writes`), every rank writes its own shards into the file where
     :func:`~.fsdp_writer_decision._decide_checkpoint_writers` says so (from host copies, in its background thread,
     where the save may go to the background and the copies fit), else ``fallback`` (the streamed save) writes the
     units. Collective."""
-    guard = _new_checkpoint_guard(strategy)
-    table = None
+    plan: _RankZeroPlan = stream.plan
+    table = plan.table
     try:
-        table = _share_record_table(strategy, stream, writer, guard)
-        requested = strategy.checkpoint_writers
-        decision = None if table is None else _decide_checkpoint_writers(strategy, table.path, requested)
+        # each rank reads its own mount table once per save, for the writers' decision and its chunks' flushes
+        mount = writer.mount if writer is not None else _mount_of(os.path.dirname(table.path))
+        decision = _decide_checkpoint_writers(strategy, table.path, strategy.checkpoint_writers, plan.probe, mount)
     except BaseException:
         if writer is not None:
             writer.discard()
         raise
-    if decision is not None and decision[0] != "all":
+    finally:
+        if writer is not None:
+            plan.discard()
+    if decision[0] != "all":
         return fallback(strategy, stream, writer)
-    # ``table`` is ``None`` on every rank once a rank failed: then the synchronous path below raises it
-    in_background = table is not None and _saves_in_background(strategy)
-    if in_background and _host_copies_fit(strategy, stream, writer, gathered=False):
-        return _start_background_save(strategy, writer, partial(_copy_own_writes, strategy, stream, table))
+    if _saves_in_background(strategy) and _host_copies_fit(strategy, stream, writer, gathered=False):
+        return _start_background_save(strategy, writer, partial(_copy_own_writes, strategy, stream, table, mount))
+    guard = _new_checkpoint_guard(strategy)
     with _committed_if_complete(writer):
-        # after a failure before the table, ``settle`` does not communicate
-        with _naming_lost_ranks(strategy, guard, None if table is None else table.path):
-            if table is not None:
-                _write_own_shards(strategy, stream, table, guard)
+        with _naming_lost_ranks(strategy, guard, table.path):
+            _write_own_shards(strategy, stream, table, guard, mount)
             failed_ranks = guard.settle()
         if not failed_ranks and writer is not None:
             writer.complete = True
     guard.raise_if_failed()
-
-
-def _share_record_table(
-    strategy: "DDPFullyShardedStrategy",
-    stream: _CheckpointStream,
-    writer: Optional[_StreamedCheckpointFile],
-    guard: _CollectiveGuard,
-) -> Optional[_RecordTable]:
-    """Global rank 0 makes the structure it wrote visible to the other ranks' clients (``fsync``: close-to-open on
-    NFS) and sends every rank the :class:`_RecordTable`; ``None`` on every rank once a rank failed. Collective."""
-    table = None
-    if writer is not None:
-        with guard.catch():
-            os.fsync(writer.fileno())
-            table = _record_table(strategy, stream, writer)
-    if not guard.agree():
-        return None
-    return _broadcast_failure(strategy, table, src=0)
 
 
 def _record_table(
@@ -170,15 +191,17 @@ def _record_table(
 
 
 def _write_own_shards(
-    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable, guard: _CollectiveGuard
+    strategy: "DDPFullyShardedStrategy",
+    stream: _CheckpointStream,
+    table: _RecordTable,
+    guard: _CollectiveGuard,
+    mount: Optional[_Mount],
 ) -> None:
     """Every rank writes its own bytes of the FSDP records, and those of other ranks in the blocks it owns (sent
     over the checkpoint group), then ``fdatasync``-s and closes its descriptor. A failure is recorded in ``guard``."""
     writes = None
     with guard.catch():
-        writes = _own_writes(strategy, stream, table)
-    if not guard.agree():
-        return
+        writes = _own_writes(strategy, stream, table, mount)
     group = _checkpoint_process_group(strategy)
     _write_planned(writes, guard, group, torch.device("cpu") if group is not None else strategy.root_device)
 
@@ -191,23 +214,39 @@ class _OwnWrites(NamedTuple):
     rank: int
     parts: List[Tuple[int, _Extent]]
     sources: Dict[_Source, torch.Tensor]
+    #: whether this rank ``fdatasync``-s after every chunk it writes (see ``_chunk_fsync_policy``)
+    fsync_chunks: bool
 
 
-def _own_writes(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable) -> _OwnWrites:
-    """This rank's :class:`_OwnWrites` of ``stream`` into the file of ``table``, from the shapes and its shards."""
+def _own_writes(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable, mount: Optional[_Mount]
+) -> _OwnWrites:
+    """This rank's :class:`_OwnWrites` of ``stream`` into the file of ``table``, from the shapes and its shards, and
+    its flush policy on ``mount``, this rank's mount of the file's directory.
+
+    Raises:
+        MisconfigurationException: where this rank's ``PL_CHECKPOINT_CHUNK_FSYNC`` is invalid (a failure of this
+            rank, which the caller's guard reports to the others).
+    """
+    fsync_chunks = _chunk_fsync_policy(os.path.dirname(table.path), mount).fsync_chunks
     optimizer_shards = list(_optimizer_shards(strategy, stream))
     extents = _extents(strategy, optimizer_shards, table)
     block = _write_block_size()
     parts = _split_at_blocks(extents, _block_owners(extents, block), block)
-    return _OwnWrites(table.path, strategy.global_rank, parts, _own_sources(strategy, optimizer_shards))
+    sources = _own_sources(strategy, optimizer_shards)
+    return _OwnWrites(table.path, strategy.global_rank, parts, sources, fsync_chunks)
 
 
 def _copy_own_writes(
-    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable, pool: _HostCopies
+    strategy: "DDPFullyShardedStrategy",
+    stream: _CheckpointStream,
+    table: _RecordTable,
+    mount: Optional[_Mount],
+    pool: _HostCopies,
 ) -> _BackgroundWork:
     """This rank's :class:`_OwnWrites` from host copies of its shards (from ``pool``), and their writing by its
     background thread: the block bytes over the background group, then its own ranges."""
-    writes = _own_writes(strategy, stream, table)
+    writes = _own_writes(strategy, stream, table, mount)
     copies = {source: pool.copy(tensor) for source, tensor in writes.sources.items()}
     writes = writes._replace(sources=copies)
 
@@ -222,17 +261,20 @@ def _copy_own_writes(
     return _BackgroundWork(list(copies.values()), write)
 
 
-def _write_planned(writes: _OwnWrites, guard: _CollectiveGuard, group: Optional[Any], device: torch.device) -> None:
+def _write_planned(
+    writes: Optional[_OwnWrites], guard: _CollectiveGuard, group: Optional[Any], device: torch.device
+) -> None:
     """Send the bytes of ``writes`` in blocks other ranks own to them over ``group`` (through ``device``), receive
     theirs in the blocks this rank owns, then write this rank's parts, ``fdatasync`` and close. A failure is recorded
-    in ``guard``, for the ranks' next agreement (the caller's ``settle``). The ranks agree before the exchange, so a
-    rank that cannot allocate its buffers says so there and is not taken for a lost rank; a rank that dies in the
-    exchange does not reach the next agreement, which names it (see ``_naming_lost_ranks``). Collective over
-    ``group``."""
+    in ``guard``, for the ranks' next agreement (the caller's ``settle``); ``writes`` is ``None`` where this rank
+    failed to plan them. The ranks agree once before the exchange, so a rank that could not plan its writes or
+    allocate its buffers says so there and is not taken for a lost rank; a rank that dies in the exchange does not
+    reach the next agreement, which names it (see ``_naming_lost_ranks``). Collective over ``group``."""
     exchange = None
-    with guard.catch():
-        sources = {source: tensor.detach().reshape(-1).view(torch.uint8) for source, tensor in writes.sources.items()}
-        exchange = _BlockExchange.prepare(writes.rank, writes.parts, sources, device)
+    if writes is not None:
+        with guard.catch():
+            sources = {s: tensor.detach().reshape(-1).view(torch.uint8) for s, tensor in writes.sources.items()}
+            exchange = _BlockExchange.prepare(writes.rank, writes.parts, sources, device)
     if not guard.agree():
         return
     with guard.catch():
@@ -240,7 +282,7 @@ def _write_planned(writes: _OwnWrites, guard: _CollectiveGuard, group: Optional[
     if guard.failed:
         return
     with guard.catch():
-        with _RankFile(writes.path) as file:
+        with _RankFile(writes.path, writes.fsync_chunks) as file:
             for owner, extent in writes.parts:
                 if extent.rank == writes.rank and owner == writes.rank:
                     file.write(sources[extent.source], extent.at, extent.nbytes, extent.offset)
@@ -380,17 +422,21 @@ class _BlockExchange(NamedTuple):
 class _RankFile:
     """This rank's descriptor of the temporary file (``O_WRONLY``, no truncation): it writes byte ranges of
     tensors at given offsets, CPU memory directly and GPU memory through one reused pinned buffer, flushes as the
-    streamed file does, and ``fdatasync``-s and closes on leaving the ``with`` block.
+    streamed file does (dropping from the page cache the span it wrote into since the last flush, not the whole
+    file), and ``fdatasync``-s and closes on leaving the ``with`` block.
 
     Args:
         path: the temporary file global rank 0 made.
+        fsync_chunks: whether to ``fdatasync`` at every flush (see ``_chunk_fsync_policy``).
         flush_bytes: how many bytes to write between flushes.
     """
 
-    def __init__(self, path: str, flush_bytes: int = 64 * 2**20) -> None:
-        self._fsync_chunks = _chunk_fsync_policy(os.path.dirname(path)).fsync_chunks
+    def __init__(self, path: str, fsync_chunks: bool, flush_bytes: int = 64 * 2**20) -> None:
+        self._fsync_chunks = fsync_chunks
         self._fd = os.open(path, os.O_WRONLY)
         self._flush_bytes, self._unflushed = flush_bytes, 0
+        #: the byte range of the file written since the last flush
+        self._written: Optional[Tuple[int, int]] = None
         self._staging: Optional[torch.Tensor] = None
 
     def __enter__(self) -> "_RankFile":
@@ -416,10 +462,17 @@ class _RankFile:
                 staging = self._staging_buffer()
                 staging[:size].copy_(data[at + start : at + start + size])
                 view = _memory_of(staging.data_ptr(), size)
-            self._unflushed += _pwrite_all(self._fd, view, offset + start)
+            position = offset + start
+            size = _pwrite_all(self._fd, view, position)
+            lo, hi = self._written or (position, position)
+            self._written = (min(lo, position), max(hi, position + size))
+            self._unflushed += size
             if self._unflushed >= self._flush_bytes:
-                _flush_written(self._fd, self._fsync_chunks)
-                self._unflushed = 0
+                # the span this rank wrote into (other ranks' shards lie between its own), not the whole file: dropping
+                # the whole file's pages at every rank's every flush walks every rank's share of it each time
+                lo, hi = self._written
+                _flush_written(self._fd, self._fsync_chunks, lo, hi - lo)
+                self._unflushed, self._written = 0, None
 
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:

@@ -172,6 +172,9 @@ class _CheckpointStream:
         self.model_state_dict: Optional[Dict[str, Any]] = None
         self.optimizer_placeholders: Dict[Tuple[Any, ...], torch.Tensor] = {}
         self.optimizer_states: List[Dict[str, Any]] = []
+        #: what global rank 0 prepared for the units' writers once it wrote the structure, sent to every rank with
+        #: its decision (see ``_save_checkpoint_if_streamed``)
+        self.plan: Any = None
 
     def placeholders(self) -> List[torch.Tensor]:
         return list(self.model.values()) + list(self.optimizer_placeholders.values())

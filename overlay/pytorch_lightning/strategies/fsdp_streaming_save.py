@@ -41,16 +41,25 @@ if _FAIRSCALE_FULLY_SHARDED_AVAILABLE:
 
 #: What writes a streamed save's units into the file once its structure is written.
 _UnitsWriter = Callable[["DDPFullyShardedStrategy", "_CheckpointStream", Optional[_StreamedCheckpointFile]], None]
+#: What global rank 0 prepares for the units' writers once it wrote the structure (``_CheckpointStream.plan``): an
+#: object whose ``discard()`` undoes what it left on disk, called where the save stops before the units are written.
+_UnitsPlanner = Callable[["DDPFullyShardedStrategy", "_CheckpointStream", _StreamedCheckpointFile], Any]
 
 
 def _save_checkpoint_if_streamed(
-    strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], filepath: _PATH, write_units: "_UnitsWriter"
+    strategy: "DDPFullyShardedStrategy",
+    checkpoint: Dict[str, Any],
+    filepath: _PATH,
+    write_units: "_UnitsWriter",
+    plan_units: Optional[_UnitsPlanner] = None,
 ) -> bool:
     """Write ``checkpoint`` while gathering the state its placeholders stand for, if this save was prepared to
     stream (see ``stream_checkpoint``), and return whether it was. Collective then.
 
     ``write_units`` writes the units once the structure is written: :func:`_write_streamed_units`, or the background
-    save's (see :mod:`~pytorch_lightning.strategies.fsdp_async_checkpoint`)."""
+    save's (see :mod:`~pytorch_lightning.strategies.fsdp_async_checkpoint`), or every rank's (see
+    :mod:`~pytorch_lightning.strategies.fsdp_parallel_save`), which ``plan_units`` prepares on global rank 0 once
+    the structure is written: its result reaches every rank as ``stream.plan``, with rank 0's decision."""
     session = strategy._checkpoint_state.session
     stream = None if session is None else session.stream
     if session is not None:
@@ -61,7 +70,7 @@ def _save_checkpoint_if_streamed(
     # state one at a time while rank 0 writes each into its place. The file appears at ``filepath`` only if every
     # rank succeeded; a failure on any rank leaves the previous file untouched and is raised on that rank
     # (``Trainer.save_checkpoint`` then raises it on every rank)
-    streams, writer = _write_streamed_skeleton(strategy, checkpoint, filepath, stream, session)
+    streams, writer = _write_streamed_skeleton(strategy, checkpoint, filepath, stream, session, plan_units)
     if streams:
         write_units(strategy, stream, writer)
     return True
@@ -69,10 +78,11 @@ def _save_checkpoint_if_streamed(
 
 def _write_streamed_skeleton(
     strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream",
-    session: _SaveSession,
+    session: _SaveSession, plan_units: Optional[_UnitsPlanner] = None,
 ) -> Tuple[bool, Optional[_StreamedCheckpointFile]]:
     """Global rank 0 writes the checkpoint's structure into a new temporary file (see
-    :meth:`_StreamedCheckpointFile.write_skeleton`); the ranks learn whether it did. Collective.
+    :meth:`_StreamedCheckpointFile.write_skeleton`) and, with ``plan_units``, prepares the units' writers
+    (``stream.plan``); the ranks learn whether it did, and its plan, in one broadcast. Collective.
 
     Returns whether the units are to be streamed into the file, and on global rank 0 the file. Otherwise the
     checkpoint was saved whole (where it cannot be streamed, with a log line saying why), or it failed, which is
@@ -82,6 +92,8 @@ def _write_streamed_skeleton(
         try:
             writer = _StreamedCheckpointFile(filepath)
             writer.write_skeleton(checkpoint, stream.placeholders())
+            if plan_units is not None:
+                stream.plan = plan_units(strategy, stream, writer)
         except _NotStreamable as ex:
             decision = f"whole: {ex}"
         except Exception as ex:
@@ -90,10 +102,13 @@ def _write_streamed_skeleton(
             writer.discard()
     # over the checkpoint group, so that the other ranks wait for rank 0 as long as `PL_CHECKPOINT_TIMEOUT` says
     try:
-        decision = _broadcast_failure(strategy, decision, src=0)
+        decision, stream.plan = _broadcast_failure(strategy, (decision, stream.plan), src=0)
     except BaseException:
         if writer is not None:
-            writer.discard()  # a rank was lost while rank 0 wrote the structure: no temporary file is left
+            # a rank was lost while rank 0 wrote the structure: no temporary file is left
+            if stream.plan is not None:
+                stream.plan.discard()
+            writer.discard()
         raise
     if decision == "failed":
         if error is not None:

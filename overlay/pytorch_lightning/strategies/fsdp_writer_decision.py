@@ -21,7 +21,7 @@ import os
 import secrets
 import weakref
 from contextlib import suppress
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
 from pytorch_lightning.utilities.atomic_save import _create_temporary_file, _fsync_directory, _ZIP_MAGIC
@@ -31,7 +31,7 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     _checkpoint_process_group,
     _distributed_run,
 )
-from pytorch_lightning.utilities.checkpoint_flush import _mount_of
+from pytorch_lightning.utilities.checkpoint_flush import _Mount, _mount_of, READ_MOUNT_TABLE
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
@@ -108,14 +108,16 @@ def _setup_refusal(strategy: Any) -> Optional[str]:
     return None
 
 
-def _mount_refusal(directory: str) -> Optional[str]:
+def _mount_refusal(directory: str, mount: Optional[_Mount] = READ_MOUNT_TABLE) -> Optional[str]:
     """Why the mount that ``directory`` is on does not allow concurrent writers, or ``None`` if it does or if the
     mount table cannot be read. The reason holds ``{ranks}`` for the ranks that have it (see :func:`_reason`).
 
     Args:
         directory: the checkpoint directory, resolved against this process's own mount table.
+        mount: its mount, where this rank read its mount table already (by default it is read here).
     """
-    mount = _mount_of(directory)
+    if mount is READ_MOUNT_TABLE:
+        mount = _mount_of(directory)
     if mount is None or not _refuses_concurrent_writers(mount.fstype):
         return None
     kind = mount.fstype.split(".", 1)[-1]
@@ -155,15 +157,40 @@ def _read_probe(path: str, token: str) -> Optional[str]:
     return None
 
 
-def _own_causes(directory: str, probe_name: Optional[str], token: str) -> List[str]:
+class _Probe(NamedTuple):
+    """What global rank 0 sends every rank of the probe file it wrote: its name in the directory (``None`` where it
+    could not write it), the token in it, and why it could not (a cause with ``{ranks}``, see :func:`_reason`)."""
+
+    name: Optional[str]
+    token: str
+    cause: Optional[str] = None
+
+
+def _write_probe_for_ranks(directory: str) -> _Probe:
+    """On global rank 0: the probe file, holding a random token, written into ``directory``."""
+    token = secrets.token_hex(16)
+    try:
+        return _Probe(os.path.basename(_write_probe(directory, token)), token)
+    except OSError as ex:
+        return _Probe(None, token, f"{{ranks}} cannot write a file into {directory} ({type(ex).__name__}: {ex})")
+
+
+def _remove_probe(directory: str, probe: Optional[_Probe]) -> None:
+    """On global rank 0: remove the probe file ``probe`` names, if it wrote one."""
+    if probe is not None and probe.name is not None:
+        with suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, probe.name))
+
+
+def _own_causes(directory: str, probe: _Probe, mount: Optional[_Mount] = READ_MOUNT_TABLE) -> List[str]:
     """This rank's reasons why it cannot be one of several writers into ``directory``: it does not see the probe
-    file ``probe_name`` there (``None``: rank 0 could not write it), or the mount refuses concurrent writers."""
+    file of ``probe`` there, or its mount (``mount``, by default read here) refuses concurrent writers."""
     causes = []
-    if probe_name is not None:
-        seen = _read_probe(os.path.join(directory, probe_name), token)
+    if probe.name is not None:
+        seen = _read_probe(os.path.join(directory, probe.name), probe.token)
         if seen is not None:
             causes.append(seen)
-    refusal = _mount_refusal(directory)
+    refusal = _mount_refusal(directory, mount)
     if refusal is not None:
         causes.append(refusal)
     return causes
@@ -190,34 +217,44 @@ def _reason(causes_by_rank: List[List[str]]) -> Optional[str]:
     return "; ".join(cause.replace("{ranks}", _name_ranks(ranks)) for cause, ranks in ranks_of.items())
 
 
-def _probe_every_rank(strategy: Any, directory: str) -> Optional[str]:
+def _probe_every_rank(
+    strategy: Any, directory: str, probe: Optional[_Probe] = None, mount: Optional[_Mount] = READ_MOUNT_TABLE
+) -> Optional[str]:
     """Rank 0 writes the probe file into ``directory``, every rank reads it and checks its mount, rank 0 removes it;
-    the reason why not every rank can write (see :func:`_reason`), or ``None``, the same on every rank. Collective."""
-    probe: Optional[Tuple[Optional[str], str]] = None
-    path: Optional[str] = None
-    rank_zero_cause: List[str] = []
+    the reason why not every rank can write (see :func:`_reason`), or ``None``, the same on every rank. Collective.
+
+    Args:
+        probe: the probe that rank 0 wrote and every rank received already (with the checkpoint's structure, see
+            :mod:`.fsdp_parallel_save`); by default rank 0 writes it here and sends it to every rank.
+        mount: this rank's mount of ``directory``, where it read its mount table already.
+    """
     try:
-        if strategy.global_rank == 0:
-            token = secrets.token_hex(16)
-            try:
-                path = _write_probe(directory, token)
-                probe = (os.path.basename(path), token)
-            except OSError as ex:
-                rank_zero_cause = [f"{{ranks}} cannot write a file into {directory} ({type(ex).__name__}: {ex})"]
-                probe = (None, token)
-        # the name only, which every rank joins to its own path to the directory (a broadcast of any object over the
-        # checkpoint group, despite its name)
-        probe_name, token = _broadcast_failure(strategy, probe, src=0)
-        causes = rank_zero_cause + _own_causes(directory, probe_name, token)
-        causes_by_rank = _all_gather_objects(strategy, causes)
+        if probe is None:
+            if strategy.global_rank == 0:
+                probe = _write_probe_for_ranks(directory)
+            # the name only, which every rank joins to its own path to the directory (a broadcast of any object over
+            # the checkpoint group, despite its name)
+            probe = _broadcast_failure(strategy, probe, src=0)
+        rank_zero_cause = [probe.cause] if probe.cause is not None and strategy.global_rank == 0 else []
+        causes_by_rank = _all_gather_objects(strategy, rank_zero_cause + _own_causes(directory, probe, mount))
     finally:
-        if path is not None:
-            with suppress(FileNotFoundError):
-                os.remove(path)
+        if strategy.global_rank == 0:
+            _remove_probe(directory, probe)
     return _reason(causes_by_rank)
 
 
-def _decide_checkpoint_writers(strategy: Any, temporary_path: str, requested: str) -> Tuple[str, Optional[str]]:
+def _probe_wanted(strategy: Any, requested: str) -> bool:
+    """Whether :func:`_decide_checkpoint_writers` probes the directory: the same on every rank."""
+    return requested != "rank0" and _distributed_run(strategy.world_size) and _setup_refusal(strategy) is None
+
+
+def _decide_checkpoint_writers(
+    strategy: Any,
+    temporary_path: str,
+    requested: str,
+    probe: Optional[_Probe] = None,
+    mount: Optional[_Mount] = READ_MOUNT_TABLE,
+) -> Tuple[str, Optional[str]]:
     """Who writes the FSDP tensors of this save into ``temporary_path``: ``("all", None)`` (every rank its own
     shards) or ``("rank0", reason)`` (global rank 0 alone, as the streamed save). Collective when more than one
     process runs and ``requested`` is not ``"rank0"``, over the strategy's gloo checkpoint group (the default
@@ -232,6 +269,9 @@ def _decide_checkpoint_writers(strategy: Any, temporary_path: str, requested: st
         strategy: the strategy saving (its ``global_rank`` and ``world_size``, and its checkpoint group).
         temporary_path: the file the save writes into; only its directory is used.
         requested: ``checkpoint_writers``: ``"auto"``, ``"all"`` or ``"rank0"``.
+        probe: the probe file that rank 0 wrote already where :func:`_probe_wanted` (:func:`_write_probe_for_ranks`),
+            sent to every rank with the checkpoint's structure; by default rank 0 writes it and sends it here.
+        mount: this rank's mount of the directory, where it read its mount table already.
 
     Returns:
         ``(writers, reason)``: ``reason`` says why ``"auto"`` falls back to ``"rank0"``, else it is ``None``. The
@@ -245,7 +285,8 @@ def _decide_checkpoint_writers(strategy: Any, temporary_path: str, requested: st
     _checked_checkpoint_writers(requested)
     if requested == "rank0" or not _distributed_run(strategy.world_size):
         return ("rank0" if requested == "rank0" else "all"), None
-    reason = _setup_refusal(strategy) or _probe_every_rank(strategy, os.path.dirname(os.path.abspath(temporary_path)))
+    directory = os.path.dirname(os.path.abspath(temporary_path))
+    reason = _setup_refusal(strategy) or _probe_every_rank(strategy, directory, probe, mount)
     if reason is not None and requested == "all":
         raise MisconfigurationException(
             f"`DDPFullyShardedStrategy(checkpoint_writers='all')` needs every rank to write into one checkpoint"

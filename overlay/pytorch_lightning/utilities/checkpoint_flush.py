@@ -7,7 +7,7 @@ Used by :class:`~pytorch_lightning.utilities.streamed_checkpoint_file._StreamedC
 import os
 from fnmatch import fnmatchcase
 from pathlib import PurePosixPath
-from typing import Hashable, NamedTuple, Optional, Set
+from typing import Any, Hashable, NamedTuple, Optional, Set
 
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
@@ -89,11 +89,20 @@ def _mount_of(path: str) -> Optional[_Mount]:
     return found
 
 
-def _chunk_fsync_policy(path: str) -> _ChunkFsyncPolicy:
+#: The default of ``mount`` arguments: read the mount table.
+READ_MOUNT_TABLE: Any = object()
+
+
+def _chunk_fsync_policy(path: str, mount: Optional[_Mount] = READ_MOUNT_TABLE) -> _ChunkFsyncPolicy:
     """Whether a streamed checkpoint file written into the directory ``path`` is ``fdatasync``-ed after every chunk:
     as ``PL_CHECKPOINT_CHUNK_FSYNC`` says (``1``: yes, ``0``: no), else (``auto``, unset or empty) unless ``path`` is
     on a filesystem whose ``fsync`` uploads the file or waits on a server (:data:`REMOTE_FSYNC_FSTYPES`). If the mount
     table cannot be read, it is.
+
+    Args:
+        path: the directory.
+        mount: the mount of ``path`` (:func:`_mount_of`) where the caller read it already, so that one save reads the
+            mount table once; by default it is read here.
 
     Raises:
         MisconfigurationException:
@@ -110,7 +119,8 @@ def _chunk_fsync_policy(path: str) -> _ChunkFsyncPolicy:
         return _ChunkFsyncPolicy(True)
     if value == "0":
         return _ChunkFsyncPolicy(False, f"`{CHUNK_FSYNC_ENV}=0`", CHUNK_FSYNC_ENV)
-    mount = _mount_of(path)
+    if mount is READ_MOUNT_TABLE:
+        mount = _mount_of(path)
     if mount is None or not _fsync_waits_on_server(mount.fstype):
         return _ChunkFsyncPolicy(True)
     reason = (

@@ -19,7 +19,7 @@ from pytorch_lightning.utilities.atomic_save import (
     _fsync_directory,
     remove_stale_temporary_files,
 )
-from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _log_chunk_fsync_policy
+from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _log_chunk_fsync_policy, _mount_of
 from pytorch_lightning.utilities.safe_load import loading_own_file, safe_load
 from pytorch_lightning.utilities.types import _PATH
 
@@ -69,7 +69,9 @@ class _StreamedCheckpointFile:
         self.path = os.path.realpath(str(path))
         self._dirname = os.path.dirname(self.path)
         # decided before the temporary file is made, which an invalid `PL_CHECKPOINT_CHUNK_FSYNC` would leave behind
-        policy = _chunk_fsync_policy(self._dirname)
+        #: the mount the file is on (``None`` where the mount table cannot be read), read once per file
+        self.mount = _mount_of(self._dirname)
+        policy = _chunk_fsync_policy(self._dirname, self.mount)
         _log_chunk_fsync_policy(policy, flush_bytes)
         self._fsync_chunks = policy.fsync_chunks
         os.makedirs(self._dirname, exist_ok=True)
@@ -213,13 +215,14 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> int:
     return size
 
 
-def _flush_written(fd: int, fsync_chunks: bool) -> None:
+def _flush_written(fd: int, fsync_chunks: bool, offset: int = 0, length: int = 0) -> None:
     """Write what was written to ``fd`` to disk (``fsync_chunks``), or start writing it, and drop what is written
-    from the page cache; see :class:`_StreamedCheckpointFile`."""
+    from the page cache, of the whole file or of ``length`` bytes at ``offset``; see :class:`_StreamedCheckpointFile`.
+    """
     if fsync_chunks:
         os.fdatasync(fd)
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def _committed_if_complete(writer: Optional[_StreamedCheckpointFile]) -> ContextManager[Any]:
