@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
@@ -403,21 +403,21 @@ def _exited(pid_file: Any) -> bool:
         return True
 
 
-def saves_over_it_with_rank_1_stopped(
-    args: argparse.Namespace, stop: Callable[[], None], where: Callable[..., Any] = stopping_rank_1_in_pwrite
+def saves_over_it(
+    args: argparse.Namespace, around: Callable[[Trainer], Any], directory: Path
 ) -> Tuple[Dict[str, Any], Trainer, Any]:
-    """Fit and save ``last.ckpt``; change the weights and save over it while rank 1 is stopped in its ``pwrite``
-    (see :func:`stopping_rank_1_in_pwrite`), or ``where`` says; the record: what this rank raised and when, and on
-    rank 0 whether the file is unchanged and which temporary files are left."""
+    """Fit and save ``directory/last.ckpt``; change the weights and save over it inside ``around(trainer)``; the
+    record: what this rank raised and when, and on rank 0 whether the file is unchanged and which temporary files
+    are left."""
     trainer, model = fit(args, epochs=1)
-    path = args.out / "last.ckpt"
+    path = directory / "last.ckpt"
     trainer.save_checkpoint(path)
     before = path.read_bytes() if trainer.global_rank == 0 else b""
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": None}
-    with where(trainer, args.out, stop):
+    with around(trainer):
         try:
             trainer.save_checkpoint(path)
         except CheckpointError as ex:
@@ -425,8 +425,16 @@ def saves_over_it_with_rank_1_stopped(
     result["raised_time"] = time.time()
     if trainer.global_rank == 0:
         result["unchanged"] = path.read_bytes() == before
-        result["temporary_files"] = sorted(p.name for p in args.out.glob("*.tmp"))
+        result["temporary_files"] = sorted(p.name for p in directory.glob("*.tmp"))
     return result, trainer, model
+
+
+def saves_over_it_with_rank_1_stopped(
+    args: argparse.Namespace, stop: Callable[[], None], where: Callable[..., Any] = stopping_rank_1_in_pwrite
+) -> Tuple[Dict[str, Any], Trainer, Any]:
+    """:func:`saves_over_it` in ``--out`` while rank 1 is stopped in its ``pwrite`` (see
+    :func:`stopping_rank_1_in_pwrite`), or where ``where`` says."""
+    return saves_over_it(args, lambda trainer: where(trainer, args.out, stop), args.out)
 
 
 def killed_while_writing(args: argparse.Namespace) -> Dict[str, Any]:
@@ -547,29 +555,14 @@ def save_costs(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def saves_on_filesystem(args: argparse.Namespace) -> Dict[str, Any]:
-    """Fit, then save into ``--ckpt-dir`` (a small real filesystem of the test's), change the weights and save over
-    it: what the second save raised on this rank, and on rank 0 whether the file is the first save's (``unchanged``),
-    the temporary files left, and the differences between the second file (where it was written) and a gathered save
-    of the same state into ``--out``."""
-    trainer, model = fit(args, epochs=1)
-    path = Path(args.ckpt_dir) / "last.ckpt"
-    trainer.save_checkpoint(path)
-    before = path.read_bytes() if trainer.global_rank == 0 else b""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    result: Dict[str, Any] = {"rank": trainer.global_rank, "raised": None}
-    try:
-        trainer.save_checkpoint(path)
-    except CheckpointError as ex:
-        result["raised"] = str(ex)
+    """:func:`saves_over_it` in ``--ckpt-dir`` (a small real filesystem of the test's), then, where the second save
+    was written, the differences between its file and a gathered save of the same state into ``--out``."""
+    directory = Path(args.ckpt_dir)
+    result, trainer, _ = saves_over_it(args, lambda trainer: nullcontext(), directory)
     trainer.strategy.stream_checkpoint = False
     trainer.save_checkpoint(args.out / "gathered.ckpt")
-    if trainer.global_rank == 0:
-        result["unchanged"] = path.read_bytes() == before
-        result["temporary_files"] = sorted(p.name for p in Path(args.ckpt_dir).glob("*.tmp"))
-        if result["raised"] is None:
-            result["differences"] = differences(load(path), load(args.out / "gathered.ckpt"))
+    if trainer.global_rank == 0 and result["raised"] is None:
+        result["differences"] = differences(load(directory / "last.ckpt"), load(args.out / "gathered.ckpt"))
     return result
 
 
