@@ -15,7 +15,8 @@ between them by the OS either.
 - ``os.fsync`` / ``os.fdatasync`` on such files.
 
 Besides the bytes it sums the seconds this process spent in those writes and syncs (``io_seconds``, over all its
-threads), so that a save's time outside them can be told apart.
+threads), so that a save's time outside them can be told apart, and the seconds spent computing the CRC-32s of the
+checkpoint's records (``crc_seconds``: the fork's ``checkpoint_crc._crc32``, which saves and the load's check call).
 
 Only files inside the checkpoint directory count (by path, or for a descriptor by ``/proc/self/fd``). With a rate,
 every counted write then waits until a per-process link of that many MB/s (10^6 bytes) would have carried it:
@@ -58,6 +59,7 @@ class CheckpointIOMeter:
         self.bytes_written = 0
         self.bytes_read = 0
         self.io_seconds = 0.0
+        self.crc_seconds = 0.0
         self._lock = threading.Lock()
 
     def covers(self, file: Any) -> bool:
@@ -92,11 +94,16 @@ class CheckpointIOMeter:
     def since(self, before: Dict[str, Any]) -> Dict[str, Any]:
         """The bytes written and the seconds of I/O since ``before`` (a :meth:`snapshot`)."""
         now = self.snapshot()
-        return {key: now[key] - before[key] for key in ("bytes_written", "io_seconds")}
+        return {key: now[key] - before[key] for key in ("bytes_written", "io_seconds", "crc_seconds")}
 
     def snapshot(self) -> Dict[str, Any]:
         with self._lock:
-            return {"bytes_written": self.bytes_written, "bytes_read": self.bytes_read, "io_seconds": self.io_seconds}
+            return {
+                "bytes_written": self.bytes_written,
+                "bytes_read": self.bytes_read,
+                "io_seconds": self.io_seconds,
+                "crc_seconds": self.crc_seconds,
+            }
 
 
 _meter: Optional[CheckpointIOMeter] = None
@@ -171,4 +178,31 @@ def install(directory: str, write_mbps: Optional[float] = None) -> CheckpointIOM
         os.write = _metered_write(os.write)
         os.fsync = _metered_sync(os.fsync)
         os.fdatasync = _metered_sync(os.fdatasync)
+        _time_crcs()
     return _meter
+
+
+def crc_seconds() -> float:
+    """The seconds this process spent in the CRC-32s of checkpoint records so far (0 without a meter)."""
+    return _meter.crc_seconds if _meter is not None else 0.0
+
+
+def _time_crcs() -> None:
+    """Sum the time of every CRC-32 the fork computes over checkpoint records into the meter's ``crc_seconds``;
+    nothing on a build without them (the ``compat`` build)."""
+    try:
+        from pytorch_lightning.utilities import checkpoint_crc, checkpoint_verification
+    except ImportError:
+        return
+    original = checkpoint_crc._crc32
+
+    def timed(data: Any, value: int = 0) -> int:
+        start = time.perf_counter()
+        try:
+            return original(data, value)
+        finally:
+            if _meter is not None:
+                with _meter._lock:
+                    _meter.crc_seconds += time.perf_counter() - start
+
+    checkpoint_crc._crc32 = checkpoint_verification._crc32 = timed

@@ -279,6 +279,9 @@ def main(argv: List[str] = None) -> int:
     if args.repeat > 1:
         print()
         print(report.median_save_table(runs))
+    if report.crc_cost_table(runs):
+        print()
+        print(report.crc_cost_table(runs))
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
     if fits:

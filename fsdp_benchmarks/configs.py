@@ -49,6 +49,10 @@ class BenchConfig:
     portable_optimizer_state: bool = True
     #: the worker scenario: ``save_and_resume`` (Lightning) or ``dcp_save_and_resume`` (the torch DCP peer)
     scenario: str = "save_and_resume"
+    #: whether saves write the CRC-32 of every record and resumes check them (the fork's, since revision 111);
+    #: ``False`` only measures what they cost: saves leave the CRC fields 0, as revisions <= 110 did, and resumes
+    #: check nothing (``PL_CHECKPOINT_VERIFY=0``)
+    record_crcs: bool = True
 
     @property
     def lightning(self) -> bool:
@@ -120,6 +124,11 @@ _DCP_PEER = (
     " rank plus metadata, not one torch.save file"
 )
 
+_NO_CRC = (
+    ", without CRC-32s: not a setting users have, it only measures what they cost (the save leaves the records'"
+    " CRC fields 0, as fork revisions <= 110 did; the resume checks nothing)"
+)
+
 CONFIGS: List[BenchConfig] = [
     BenchConfig("upstream", _PURE_1_6_5, build="compat"),
     BenchConfig(
@@ -170,6 +179,11 @@ CONFIGS: List[BenchConfig] = [
         _STREAMED,
         agree_before_collectives=False,
     ),
+    BenchConfig("fork-parallel-no-crc", f"{_FORK_PARALLEL}{_NO_CRC}", _PARALLEL, record_crcs=False),
+    BenchConfig(
+        "fork-parallel-adam-no-crc", f"{_FORK_PARALLEL}; Adam{_NO_CRC}", _PARALLEL, optimizer="adam", record_crcs=False
+    ),
+    BenchConfig("fork-stream-no-crc", f"{_FORK_STREAMED}{_NO_CRC}", _STREAMED, record_crcs=False),
 ]
 
 

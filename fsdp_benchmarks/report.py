@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 #: exists in GPU mode only.
 _RANK_FIELDS = ("peak_extra_mb", "peak_extra_anon_file_mb", "peak_extra_file_mb", "seconds", "sample_hz",
                 "cuda_max_allocated_mb", "stall_seconds", "first_stall_seconds", "bytes_read", "collective_bytes",
-                "unit_gathers", "state_seconds", "bytes_written", "files_bytes", "io_seconds")
+                "unit_gathers", "state_seconds", "bytes_written", "files_bytes", "io_seconds", "crc_seconds")
 MIB = 1024 * 1024
 
 
@@ -258,6 +258,46 @@ def median_save_table(runs: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: the suffix of a configuration that measures the one without it with no CRC-32s (see ``configs.BenchConfig``)
+NO_CRC = "-no-crc"
+
+
+def slowest_load_seconds(run: Dict[str, Any]) -> float:
+    """The resume time of the run's slowest rank."""
+    return max(r["load_seconds"] for r in run["ranks"])
+
+
+def crc_cost_table(runs: List[Dict[str, Any]]) -> str:
+    """What the CRC-32s cost: each configuration's median save and resume time (the slowest rank's, over its repeated
+    runs) against its twin without them (``<config>-no-crc``) at the same N, in the same invocation, and the median
+    of the most seconds a rank spent computing CRC-32s in each; empty where no configuration has its twin."""
+    groups: Dict[Any, List[Dict[str, Any]]] = {}
+    for run in (r for r in runs if r["ranks"]):
+        groups.setdefault((run["config"], run["world_size"]), []).append(run)
+    lines = []
+    for (config, n), group in groups.items():
+        twin = groups.get((config + NO_CRC, n))
+        if config.endswith(NO_CRC) or twin is None:
+            continue
+        save, save_twin = (_median([slowest_save_seconds(r) for r in g]) for g in (group, twin))
+        load, load_twin = (_median([slowest_load_seconds(r) for r in g]) for g in (group, twin))
+        # the most any rank spent computing CRC-32s, in the save and in the resume
+        crcs = [_median([max(r.get(f"{phase}_crc_seconds", 0.0) for r in run["ranks"]) for run in group])
+                for phase in ("save", "load")]
+        lines.append(
+            f"{config:>24}  {n:>2}  {len(group):>4}  {save:>6.3f}  {save_twin:>8.3f}  {save / save_twin:>6.2f}"
+            f"  {crcs[0]:>9.4f}  {load:>8.3f}  {load_twin:>10.3f}  {load / load_twin:>6.2f}  {crcs[1]:>9.4f}"
+        )
+    if not lines:
+        return ""
+    header = (
+        f"{'config':>24}  {'N':>2}  {'runs':>4}  {'save s':>6}  {'no CRC s':>8}  {'x':>6}  {'CRC s':>9}"
+        f"  {'resume s':>8}  {'no check s':>10}  {'x':>6}  {'CRC s':>9}"
+    )
+    title = "the CRC-32s' cost, medians (slowest rank): saves that write them and resumes that check them, against none"
+    return "\n".join([title, header] + lines)
+
+
 def fit_table(fits: List[Dict[str, Any]]) -> str:
     """The wall time of fits that save every K steps, against the same fit without saves (``every`` 0) at each N."""
     base = {f["world_size"]: f["fit_seconds"] for f in fits if f["every"] == 0}
@@ -339,5 +379,8 @@ if __name__ == "__main__":
     if any(run.get("repeat", 0) > 0 for run in saved["runs"]):
         print()
         print(median_save_table(saved["runs"]))
+    if crc_cost_table(saved["runs"]):
+        print()
+        print(crc_cost_table(saved["runs"]))
     if args.plot:
         plot(saved["runs"], args.plot)

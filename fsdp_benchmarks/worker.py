@@ -103,6 +103,8 @@ def make_strategy(args: argparse.Namespace) -> Any:
         from pytorch_lightning.strategies import fsdp_portable_optimizer_state
 
         fsdp_portable_optimizer_state.PORTABLE_LAYOUT = False
+    if not config.record_crcs:
+        _without_record_crcs()
     kwargs = dict(config.strategy_kwargs)
     checkpoint_io = config.build_checkpoint_io()
     if checkpoint_io is not None:
@@ -112,6 +114,15 @@ def make_strategy(args: argparse.Namespace) -> Any:
     else:
         from fsdp_harness.cpu_fsdp import CPUFullyShardedStrategy as strategy_cls
     return strategy_cls(**kwargs)
+
+
+def _without_record_crcs() -> None:
+    """Saves that compute and write no CRC-32 and resumes that check none (``BenchConfig.record_crcs``)."""
+    from pytorch_lightning.utilities import checkpoint_crc, streamed_checkpoint_file
+
+    checkpoint_crc._crc32 = lambda data, value=0: 0
+    streamed_checkpoint_file._write_record_crcs = lambda *args: None
+    os.environ["PL_CHECKPOINT_VERIFY"] = "0"
 
 
 def make_model(args: argparse.Namespace) -> CheckpointModel:
@@ -205,6 +216,7 @@ class ResumeProbe(Callback):
         self.traffic = LoadTraffic()
         self.cuda = cuda
         self.result: Dict[str, Any] = {}
+        self._crc_before = 0.0
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: Any = None) -> None:
         # ``setup`` runs before any restore; wrap this strategy instance's ``load_checkpoint`` only.
@@ -217,6 +229,7 @@ class ResumeProbe(Callback):
         def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
             if not meter.running:
                 meter.start()
+                self._crc_before = checkpoint_io_meter.crc_seconds()
             return original(*args, **kwargs)
 
         strategy.load_checkpoint = load_checkpoint
@@ -224,7 +237,8 @@ class ResumeProbe(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         if self.meter.running:
-            self.result = {**self.meter.stop(), **self.traffic.result()}
+            crc = checkpoint_io_meter.crc_seconds() - self._crc_before
+            self.result = {**self.meter.stop(), **self.traffic.result(), "crc_seconds": crc}
         trainer.should_stop = True
 
 

@@ -24,7 +24,7 @@ CONFIGS = [
     "fork-async", "fork-async-adam", "fork-parallel", "fork-parallel-adam", "fork-parallel-async", "dcp-fsdp2",
     "dcp-fsdp2-adam",
     "fork-stream-consolidated", "fork-stream-adam-consolidated", "fork-no-agreement",
-    "fork-stream-no-agreement",
+    "fork-stream-no-agreement", "fork-parallel-no-crc", "fork-parallel-adam-no-crc", "fork-stream-no-crc",
 ]
 #: one of each kind of run: pure 1.6.5 on its own build; the fork's default writer (every rank writes, checked
 #: against a gathered save as the streamed configurations are), with Adam; the DCP peer. The other configurations
@@ -34,9 +34,11 @@ SMOKE_CONFIGS = ["upstream", "fork-parallel-adam", "dcp-fsdp2"]
 INCOMPLETE = {"upstream", "upstream-adam"}  # pure 1.6.5: rank 0's optimizer shard only
 STREAMED = {
     "fork-stream", "fork-stream-adam", "fork-stream-consolidated", "fork-stream-adam-consolidated",
-    "fork-stream-no-agreement",
+    "fork-stream-no-agreement", "fork-stream-no-crc",
 }
-PARALLEL = {"fork-parallel", "fork-parallel-adam", "fork-parallel-async"}
+PARALLEL = {
+    "fork-parallel", "fork-parallel-adam", "fork-parallel-async", "fork-parallel-no-crc", "fork-parallel-adam-no-crc",
+}
 DCP = {"dcp-fsdp2", "dcp-fsdp2-adam"}
 RUN_KEYS = {
     "config", "world_size", "state_dict_mb", "ranks", "node_save_peak_extra_anon_file_mb", "node_save_peak_extra_mb",
@@ -47,12 +49,12 @@ RANK_KEYS = {
     "rank", "save_peak_extra_mb", "save_peak_extra_anon_file_mb", "save_peak_extra_file_mb", "save_seconds",
     "load_peak_extra_mb", "load_peak_extra_anon_file_mb", "load_peak_extra_file_mb", "load_seconds",
     "load_state_seconds", "load_bytes_read", "load_collective_bytes", "load_unit_gathers", "save_bytes_written",
-    "save_io_seconds",
+    "save_io_seconds", "save_crc_seconds", "load_crc_seconds",
 }
 #: the counts among ``RANK_KEYS`` (the rest are MiB and seconds)
 RANK_COUNTS = {"rank", "load_bytes_read", "load_collective_bytes", "load_unit_gathers", "save_bytes_written"}
 #: what only the fork's strategy measures (its loads' own counters); the DCP peer has the file sizes instead
-STRATEGY_KEYS = {"load_state_seconds", "load_collective_bytes", "load_unit_gathers"}
+STRATEGY_KEYS = {"load_state_seconds", "load_collective_bytes", "load_unit_gathers", "load_crc_seconds"}
 DCP_RANK_KEYS = RANK_KEYS - STRATEGY_KEYS | {"save_files_bytes"}
 
 
@@ -255,3 +257,36 @@ def test_medians_of_repeated_runs(tmp_path):
     # runs, median, outside I/O, x DCP, then the runs' seconds
     assert rows["fork-parallel", "2"][:4] == ["3", "0.200", "0.080", "0.57"], proc.stdout
     assert rows["dcp-fsdp2", "2"][:3] == ["3", "0.350", "0.250"], proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_crc_cost_table(tmp_path):
+    """With a configuration's ``-no-crc`` twin in the results, ``python -m fsdp_benchmarks.report RESULT.json`` prints
+    the CRC-32s' cost: the medians of the slowest rank's save and resume times of both, and their ratios."""
+
+    def timed(config, repeat, save, load):
+        run = _synthetic_run(config, 2, 1.0, 1.0)
+        ranks = [dict(run["ranks"][0], rank=rank, save_seconds=s, load_seconds=t) for rank, (s, t) in
+                 enumerate(zip(save, load))]
+        return dict(run, ranks=ranks, optimizer="sgd", repeat=repeat)
+
+    runs = [
+        # slowest ranks: saves 0.44, 0.40 (median 0.42), loads 0.33, 0.30 (0.315)
+        timed("fork-parallel", 0, [0.44, 0.30], [0.20, 0.33]),
+        timed("fork-parallel", 1, [0.40, 0.39], [0.30, 0.10]),
+        # the twin: saves 0.40, 0.36 (0.38), loads 0.30, 0.26 (0.28)
+        timed("fork-parallel-no-crc", 0, [0.40, 0.20], [0.30, 0.30]),
+        timed("fork-parallel-no-crc", 1, [0.10, 0.36], [0.26, 0.20]),
+        timed("fork-stream", 0, [1.0, 1.0], [1.0, 1.0]),  # no twin: no row
+    ]
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"runs": runs, "meta": {}}))
+    proc = subprocess.run([sys.executable, "-m", "fsdp_benchmarks.report", str(result)], cwd=ROOT,
+                          env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout
+    table = proc.stdout[proc.stdout.index("the CRC-32s' cost"):].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:] if line.strip()}
+    # the synthetic ranks spent 1 s in CRC-32s in each phase (every field of ``_synthetic_run`` is 1.0)
+    assert rows == {
+        "fork-parallel": ["2", "2", "0.420", "0.380", "1.11", "1.0000", "0.315", "0.280", "1.12", "1.0000"]
+    }, proc.stdout

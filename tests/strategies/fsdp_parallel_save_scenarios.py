@@ -36,6 +36,7 @@ from pytorch_lightning.strategies import (
     fsdp_streaming_save,
     fsdp_writer_decision,
 )
+from pytorch_lightning.utilities import streamed_checkpoint_file
 from pytorch_lightning.utilities.checkpoint_errors import CHECKPOINT_TIMEOUT_ENV
 from pytorch_lightning.utilities.exceptions import CheckpointError
 from fsdp_harness.models import FSDPModel
@@ -58,12 +59,13 @@ Ranges = List[Tuple[int, int]]
 def recording_writes(writes: Ranges, records: Ranges, threads: Optional[List[str]] = None) -> Iterator[None]:
     """Record every ``os.pwrite`` into a temporary checkpoint file once the structure is written (``writes``, and the
     name of the thread that made each in ``threads``), and on global rank 0 the byte ranges of the FSDP records of
-    the structure (``records``)."""
-    pwrite, writing = os.pwrite, []
+    the structure (``records``). Global rank 0's CRC-32 fields, written through a new descriptor once every rank
+    closed its own, are not recorded."""
+    pwrite, writing, crcs = os.pwrite, [], []
 
     def recorded(fd: int, data: Any, offset: int) -> int:
         written = pwrite(fd, data, offset)
-        if writing and os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+        if writing and not crcs and os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
             writes.append((offset, written))
             if threads is not None:
                 threads.append(threading.current_thread().name)
@@ -86,9 +88,18 @@ def recording_writes(writes: Ranges, records: Ranges, threads: Optional[List[str
         original = units_writer
         return save(strategy, checkpoint, filepath, write_units, *plan)
 
+    write_crcs = streamed_checkpoint_file._write_record_crcs
+
+    def writing_crcs(*args: Any) -> None:
+        crcs.append(1)
+        try:
+            write_crcs(*args)
+        finally:
+            crcs.clear()
+
     with mock.patch.object(os, "pwrite", recorded), mock.patch(
         "pytorch_lightning.strategies.fsdp_checkpointer._save_checkpoint_if_streamed", save_recording
-    ):
+    ), mock.patch.object(streamed_checkpoint_file, "_write_record_crcs", writing_crcs):
         yield
 
 
@@ -510,6 +521,10 @@ def slow_writer(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+#: the object collectives a parallel save may run
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object")
+
+
 @contextmanager
 def counting_save_costs(costs: Dict[str, Any]) -> Iterator[None]:
     """Count, on this rank, the reads of the mount table (``psutil.disk_partitions``), the flag exchanges (every
@@ -535,11 +550,10 @@ def counting_save_costs(costs: Dict[str, Any]) -> Iterator[None]:
         costs.update(size=stat.st_size, allocated=stat.st_blocks * 512)
         return write_own_shards(strategy, stream, table, *args)
 
+    objects = [counted(torch.distributed, name, "object_collectives") for name in OBJECT_COLLECTIVES]
     with counted(psutil, "disk_partitions", "mount_table_reads"), counted(
         torch.distributed, "all_gather", "flag_exchanges"
-    ), counted(torch.distributed, "broadcast_object_list", "object_collectives"), counted(
-        torch.distributed, "all_gather_object", "object_collectives"
-    ), mock.patch.object(fsdp_parallel_save, "_write_own_shards", measured):
+    ), objects[0], objects[1], objects[2], mock.patch.object(fsdp_parallel_save, "_write_own_shards", measured):
         yield
 
 

@@ -64,7 +64,8 @@ UNMOUNTABLE: List[str] = []
 #: the block exchange, of the writes' settlement and of ``Trainer.save_checkpoint``'s final exchange; the object
 #: collectives of the stream decision, of rank 0's structure decision with its plan, and of the writers' probe
 #: results
-SAVE_COSTS = {"mount_table_reads": 1, "flag_exchanges": 5, "object_collectives": 3}
+#: the object collectives: revision 110's three and, since revision 111, the gather of the pieces' CRC-32s to rank 0
+SAVE_COSTS = {"mount_table_reads": 1, "flag_exchanges": 5, "object_collectives": 4}
 
 
 def _case(model: str, wrapping: str, optimizer: str, width: int) -> str:

@@ -46,6 +46,7 @@ from pytorch_lightning.strategies.fsdp_writer_decision import (  # noqa: F401 (t
     _remove_probe,
     _write_probe_for_ranks,
 )
+from pytorch_lightning.utilities.checkpoint_crc import _CrcLedger, _Piece
 from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
 from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _Mount, _mount_of
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
@@ -166,8 +167,10 @@ def _write_units_by_every_rank(
     guard = _new_checkpoint_guard(strategy)
     with _committed_if_complete(writer):
         with _naming_lost_ranks(strategy, guard, table.path):
-            _write_own_shards(strategy, stream, table, guard, mount)
+            pieces = _write_own_shards(strategy, stream, table, guard, mount)
             failed_ranks = guard.settle()
+            if not failed_ranks:
+                _send_crcs_to_writer(pieces, writer, _checkpoint_process_group(strategy))
         if not failed_ranks and writer is not None:
             writer.complete = True
     guard.raise_if_failed()
@@ -196,14 +199,15 @@ def _write_own_shards(
     table: _RecordTable,
     guard: _CollectiveGuard,
     mount: Optional[_Mount],
-) -> None:
+) -> List[_Piece]:
     """Every rank writes its own bytes of the FSDP records, and those of other ranks in the blocks it owns (sent
-    over the checkpoint group), then ``fdatasync``-s and closes its descriptor. A failure is recorded in ``guard``."""
+    over the checkpoint group), then ``fdatasync``-s and closes its descriptor; returns the CRC-32 of the pieces it
+    wrote. A failure is recorded in ``guard``."""
     writes = None
     with guard.catch():
         writes = _own_writes(strategy, stream, table, mount)
     group = _checkpoint_process_group(strategy)
-    _write_planned(writes, guard, group, torch.device("cpu") if group is not None else strategy.root_device)
+    return _write_planned(writes, guard, group, torch.device("cpu") if group is not None else strategy.root_device)
 
 
 class _OwnWrites(NamedTuple):
@@ -255,17 +259,19 @@ def _copy_own_writes(
         # then returns without another exchange) is named, as in a synchronous save: ``wait_for_checkpoint`` raises
         # the ``_PeerLost`` on every rank without another exchange
         with _naming_lost_ranks(strategy, job.guard, writes.path, close_group=False):
-            _write_planned(writes, job.guard, job.group, torch.device("cpu"))
-            job.guard.settle()
+            pieces = _write_planned(writes, job.guard, job.group, torch.device("cpu"))
+            if not job.guard.settle():
+                _send_crcs_to_writer(pieces, job.writer, job.group)
 
     return _BackgroundWork(list(copies.values()), write)
 
 
 def _write_planned(
     writes: Optional[_OwnWrites], guard: _CollectiveGuard, group: Optional[Any], device: torch.device
-) -> None:
+) -> List[_Piece]:
     """Send the bytes of ``writes`` in blocks other ranks own to them over ``group`` (through ``device``), receive
-    theirs in the blocks this rank owns, then write this rank's parts, ``fdatasync`` and close. A failure is recorded
+    theirs in the blocks this rank owns, then write this rank's parts, ``fdatasync`` and close; returns the CRC-32 of
+    every piece this rank wrote (none where it failed). A failure is recorded
     in ``guard``, for the ranks' next agreement (the caller's ``settle``); ``writes`` is ``None`` where this rank
     failed to plan them. The ranks agree once before the exchange, so a rank that could not plan its writes or
     allocate its buffers says so there and is not taken for a lost rank; a rank that dies in the exchange does not
@@ -276,11 +282,11 @@ def _write_planned(
             sources = {s: tensor.detach().reshape(-1).view(torch.uint8) for s, tensor in writes.sources.items()}
             exchange = _BlockExchange.prepare(writes.rank, writes.parts, sources, device)
     if not guard.agree():
-        return
+        return []
     with guard.catch():
         exchange.run(group)
     if guard.failed:
-        return
+        return []
     with guard.catch():
         with _RankFile(writes.path, writes.fsync_chunks) as file:
             for owner, extent in writes.parts:
@@ -288,6 +294,26 @@ def _write_planned(
                     file.write(sources[extent.source], extent.at, extent.nbytes, extent.offset)
             for offset, data in exchange.received():
                 file.write(data, 0, data.numel(), offset)
+        return file.crcs.pieces
+    return []
+
+
+def _send_crcs_to_writer(
+    pieces: List[_Piece], writer: Optional[_StreamedCheckpointFile], group: Optional[Any]
+) -> None:
+    """Once every rank wrote its pieces and closed its descriptor: their CRC-32s, a few integers per piece, gathered
+    over ``group`` to global rank 0, whose ``writer`` combines them per record when it commits the file (see
+    :meth:`_StreamedCheckpointFile.commit`; it writes the descriptors and the central directory through a new
+    descriptor of its own, so that no block is written by two ranks at once). Collective over ``group``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gathered: Optional[List[Any]] = [None] * torch.distributed.get_world_size(group) if writer is not None else None
+        torch.distributed.gather_object(pieces, gathered, dst=0, group=group)
+    else:
+        gathered = [pieces]
+    if writer is not None:
+        assert gathered is not None
+        for rank_pieces in gathered:
+            writer.add_crcs(rank_pieces)
 
 
 #: An optimizer-state shard of this rank: the key of its record, the shard and the unpadded size of the flat tensor.
@@ -433,6 +459,8 @@ class _RankFile:
 
     def __init__(self, path: str, fsync_chunks: bool, flush_bytes: int = 64 * 2**20) -> None:
         self._fsync_chunks = fsync_chunks
+        #: the CRC-32 of every piece written, computed as it is written
+        self.crcs = _CrcLedger()
         self._fd = os.open(path, os.O_WRONLY)
         self._flush_bytes, self._unflushed = flush_bytes, 0
         #: the byte range of the file written since the last flush
@@ -463,6 +491,7 @@ class _RankFile:
                 staging[:size].copy_(data[at + start : at + start + size])
                 view = _memory_of(staging.data_ptr(), size)
             position = offset + start
+            self.crcs.note(position, view)
             size = _pwrite_all(self._fd, view, position)
             lo, hi = self._written or (position, position)
             self._written = (min(lo, position), max(hi, position + size))

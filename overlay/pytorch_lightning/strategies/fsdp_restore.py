@@ -21,6 +21,7 @@ from pytorch_lightning.strategies.fsdp_introspection import (
     _named_fsdp_instances,
 )
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.checkpoint_verification import _note_share
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
@@ -114,4 +115,8 @@ def _load_shard(
             _copy_flat_slice(
                 _flat_shard(flat).view(-1), [state_dict[key] for key, _ in pieces], instance.rank, instance.world_size
             )
+        # a tied name's own record (the streamed save writes one per name) is marked loaded without being read: the
+        # load's check reads it once, each rank its share
+        for key, _ in tied:
+            _note_share(state_dict[key], instance.rank, instance.world_size)
     return missing

@@ -8,7 +8,9 @@ torchtitan use, so a torch FSDP or FSDP2 (``fully_shard``) job at any scale load
 reads only its shards) and ``set_state_dict``.
 
 The source is memory-mapped and the tensors are written one after the other, so the conversion needs about one
-tensor of memory beyond the file's pages in the page cache. The output is written into a temporary sibling
+tensor of memory beyond the file's pages in the page cache. Each record of the source is checked against its CRC-32
+as it is first read (see :mod:`~pytorch_lightning.utilities.checkpoint_verification`): a corrupt source fails the
+conversion with ``CheckpointError``. The output is written into a temporary sibling
 directory (``.<DST>.<host id>.<pid>.<random>.converting``) and renamed to ``DST`` at the end: a conversion that fails
 or is interrupted leaves nothing, and the next conversion into the same folder removes what a killed one left.
 """
@@ -37,8 +39,14 @@ from pytorch_lightning.utilities.atomic_save import (
     _writer_host_id,
     STALE_TEMPORARY_FILE_AGE,
 )
+from pytorch_lightning.utilities.checkpoint_verification import (
+    _check_record_of,
+    _close_read_check,
+    _finish_read_check,
+    _open_read_check,
+)
 from pytorch_lightning.utilities.cloud_io import load as pl_load
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from pytorch_lightning.utilities.host_memory import format_bytes
 from pytorch_lightning.utilities.named_optimizer_state import named_optimizer_state
 from pytorch_lightning.utilities.types import _PATH
@@ -64,6 +72,8 @@ def convert_checkpoint(src: _PATH, dst: _PATH, to: str = "dcp", force: bool = Fa
     Raises:
         MisconfigurationException: ``dst`` exists and ``force`` is off, or ``src`` is not a checkpoint this layout
             can express; nothing was written.
+        CheckpointError: a record of ``src`` does not match its CRC-32 (``PL_CHECKPOINT_VERIFY=0`` skips the check,
+            see :mod:`~pytorch_lightning.utilities.checkpoint_verification`); nothing was written.
     """
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
@@ -71,13 +81,18 @@ def convert_checkpoint(src: _PATH, dst: _PATH, to: str = "dcp", force: bool = Fa
     remove_stale_conversions(dst.parent)
     if (dst.exists() or dst.is_symlink()) and not force:
         raise MisconfigurationException(f"{dst} exists; pass `--force` (`force=True`) to replace it.")
-    state = FORMATS[to].prepare(_load(src), src)
+    checkpoint = _load(src)
+    # the source's records are checked against their CRC-32s as the writer reads them, the rest before the move
+    check = _open_read_check(src, checkpoint)
+    state = FORMATS[to].prepare(checkpoint, src)
     work = _new_work_directory(dst, "converting")
     try:
         FORMATS[to].write(state, work, progress)
+        _finish_read_check(check, optimizer_states_read=True)
         _move_into_place(work, dst, force)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
+        _close_read_check(check)
         raise
 
 
@@ -163,7 +178,7 @@ def _root_cause(error: BaseException) -> BaseException:
     chain = [error]
     while chain[-1].__context__ is not None and len(chain) < 16:
         chain.append(chain[-1].__context__)
-    for wanted in ((KeyboardInterrupt, SystemExit), OSError):
+    for wanted in ((KeyboardInterrupt, SystemExit), CheckpointError, OSError):
         found = next((e for e in chain if isinstance(e, wanted)), None)
         if found is not None:
             return found
@@ -186,6 +201,7 @@ class _ProgressPlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: Any) -> Any:
         data = super().resolve_data(write_item)
         if isinstance(data, torch.Tensor):
+            _check_record_of(data)
             self._done += 1
             self._bar.set_postfix_str(f"{self._done}/{self._count} tensors", refresh=False)
             self._bar.update(data.nbytes)
@@ -315,6 +331,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         convert_checkpoint(args.src, args.dst, to=args.to, force=args.force, progress=args.progress)
     except MisconfigurationException as ex:
         parser.exit(2, f"{parser.prog}: error: {_one_line(ex)}\n")
+    except CheckpointError as ex:
+        parser.exit(1, f"{parser.prog}: error: {_one_line(ex)} Nothing was written.\n")
     except (OSError, RuntimeError) as ex:
         # a ``RuntimeError`` from torch's writers may hide a full disk: say what is free
         parser.exit(

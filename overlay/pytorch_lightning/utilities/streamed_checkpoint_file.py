@@ -8,7 +8,6 @@ committed and discarded as :func:`~pytorch_lightning.utilities.atomic_save.save_
 import ctypes
 import inspect
 import os
-import zipfile
 from contextlib import nullcontext
 from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
@@ -18,6 +17,13 @@ from pytorch_lightning.utilities.atomic_save import (
     _create_temporary_file,
     _fsync_directory,
     remove_stale_temporary_files,
+)
+from pytorch_lightning.utilities.checkpoint_crc import (
+    _CrcLedger,
+    _Piece,
+    _record_crcs,
+    _write_record_crcs,
+    _ZipIndex,
 )
 from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _log_chunk_fsync_policy, _mount_of
 from pytorch_lightning.utilities.safe_load import loading_own_file, safe_load
@@ -43,8 +49,10 @@ class _StreamedCheckpointFile:
     checkpoint dict. :meth:`write_skeleton` saves the dict with :func:`torch.save` under
     ``torch.serialization.skip_data``, which reserves the space of every tensor without writing it, then writes the
     data of every other tensor right away; :meth:`write` puts the values of a pending tensor (or a part of them) in
-    place with ``pwrite``. The result is an ordinary ``torch.save`` file, except that the CRC-32 fields of its zip
-    records are not set (``torch.load`` does not check them).
+    place with ``pwrite``. The result is the file ``torch.save`` writes, CRC-32 fields included: the CRC-32 of every
+    piece is computed as it is written (here, or by the other ranks of a parallel save, see :meth:`add_crcs`), and
+    :meth:`commit` combines them per record and writes them into the records' data descriptors and central-directory
+    entries (see :mod:`~pytorch_lightning.utilities.checkpoint_crc`).
 
     As with :func:`~pytorch_lightning.utilities.cloud_io.atomic_save`, everything is written into a new temporary file
     in the destination directory: :meth:`commit` flushes and ``fsync``-s it and renames it over ``path``;
@@ -80,6 +88,10 @@ class _StreamedCheckpointFile:
         self._flush_bytes = flush_bytes
         self._unflushed = 0
         self._offsets: Dict[int, int] = {}
+        #: the CRC-32 of every piece written into the file, here and (:meth:`add_crcs`) by other processes
+        self._crcs = _CrcLedger()
+        #: where the file's records lie, once :meth:`write_skeleton` wrote them
+        self.index: Optional[_ZipIndex] = None
         #: set by the writer once every value is written: leaving the ``with`` block then commits the file
         self.complete = False
         self.committed = False
@@ -130,8 +142,8 @@ class _StreamedCheckpointFile:
                 storage = tensor.untyped_storage().cpu()
                 self._pwrite(_memory_of(storage.data_ptr(), storage.nbytes()), offset)
             written.add(offset)
-        with zipfile.ZipFile(self.tmp_path) as archive:
-            records = sum(1 for name in archive.namelist() if name.split("/")[-2:-1] == ["data"])
+        self.index = _ZipIndex.read(self.tmp_path)
+        records = sum(1 for record in self.index.records if record.is_tensor)
         if len(written) != records or not pending_keys <= set(self._offsets):
             raise _NotStreamable("some tensors of the checkpoint are not in a dict, list or tuple")
         if self._unflushed >= self._flush_bytes:
@@ -170,7 +182,13 @@ class _StreamedCheckpointFile:
     def fileno(self) -> int:
         return self._fd
 
+    def add_crcs(self, pieces: List[_Piece]) -> None:
+        """Add the CRC-32 of ``pieces`` another process wrote into the file (see
+        :class:`~pytorch_lightning.utilities.checkpoint_crc._CrcLedger`)."""
+        self._crcs.pieces.extend(pieces)
+
     def _pwrite(self, data: Any, offset: int) -> None:
+        self._crcs.note(offset, data)
         self._unflushed += _pwrite_all(self._fd, data, offset)
 
     def flush(self) -> None:
@@ -180,8 +198,11 @@ class _StreamedCheckpointFile:
         self._unflushed = 0
 
     def commit(self) -> None:
-        """Make the file durable and rename it over ``path``."""
+        """Write the CRC-32 of every record (every byte of it must have been written, here or by the processes whose
+        pieces :meth:`add_crcs` added), make the file durable and rename it over ``path``."""
         try:
+            if self.index is not None:
+                _write_record_crcs(self.tmp_path, self.index, _record_crcs(self.index, self._crcs.pieces))
             os.fsync(self._fd)
             os.replace(self.tmp_path, self.path)
         except BaseException:

@@ -3,7 +3,8 @@
 not fail waiting in the next collective.
 
 The hooks are ``CheckpointConnector``'s ``_failures`` part and the call sites in ``resume_start``, ``restore_model``,
-``restore_optimizers`` and ``save_checkpoint``.
+``restore_optimizers`` and ``save_checkpoint``; ``_load_and_validate_checkpoint`` and ``resume_end`` call its check of
+the bytes a restore reads (fork/verified-checkpoints).
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
 from contextlib import nullcontext
@@ -23,6 +24,7 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     CHECKPOINT_TIMEOUT_ENV,
     FINAL_EXCHANGE_FLAG,
 )
+from pytorch_lightning.utilities.checkpoint_verification import _finish_restore_check, _open_read_check
 from pytorch_lightning.utilities.collective_guard import _PeerFailed, _PeerLost
 from pytorch_lightning.utilities.distributed import distributed_available
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
@@ -49,6 +51,19 @@ class _CheckpointFailures:
             hint: an optional sentence appended to the message.
         """
         return _RaisingOnEveryRank(self._connector.trainer, action, hint)
+
+    def open_read_check(self, checkpoint_path: _PATH, checkpoint: Dict[str, Any]) -> None:
+        """Right after ``checkpoint`` was loaded from ``checkpoint_path``: open the check of the bytes the restore
+        reads against their CRC-32s (see :mod:`~pytorch_lightning.utilities.checkpoint_verification`)."""
+        _open_read_check(checkpoint_path, checkpoint)
+
+    def raise_if_reads_were_corrupt(self) -> None:
+        """In ``resume_end``, once everything was restored and before any step runs: raise the same
+        ``CheckpointError`` on every rank if a record the restore read does not match its CRC-32. Collective when
+        more than one process runs."""
+        path = self._connector.resume_checkpoint_path
+        with self.raising_on_every_rank(f"Checking the CRC-32s of the checkpoint at {str(path)!r}"):
+            _finish_restore_check(self._connector.trainer)
 
     def agree_that_every_rank_saves(self, filepath: _PATH) -> None:
         """Called first by ``Trainer.save_checkpoint``: with a strategy whose save is a collective that the ranks begin
