@@ -154,6 +154,37 @@ def test_good_file_resumes_checked(tmp_path, info_lines):
     assert _unchecked(info_lines) == []
 
 
+class EditingModel(BoringModel):
+    """Adds 1 in place to the checkpoint's ``layer.weight`` in ``on_load_checkpoint``, as user code may."""
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        checkpoint["state_dict"]["layer.weight"].add_(1.0)
+
+
+class WeightsAtStart(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.weight = pl_module.layer.weight.detach().clone()
+
+
+def test_weight_edited_in_place_on_load_is_not_called_corrupt(tmp_path, info_lines):
+    """``on_load_checkpoint`` edits the memory-mapped weight in place (its pages become the process's own): the load
+    reads the edited bytes, which do not match the record's CRC-32, reads the record again from the file, which does,
+    and resumes with the edited weight; the same edit of a file with a bit flipped in that record still raises."""
+    good = _save(tmp_path)
+    saved = torch.load(good, weights_only=False)["state_dict"]["layer.weight"]
+    start = WeightsAtStart()
+    trainer = _trainer(tmp_path, RESUMED_STEPS, callbacks=[start])
+    trainer.fit(EditingModel(), ckpt_path=str(good))
+    assert trainer.global_step == RESUMED_STEPS
+    torch.testing.assert_close(start.weight, saved + 1.0)
+    assert _unchecked(info_lines) == []
+    bad, record = _flipped(good, "state_dict.layer.weight")
+    trainer = _trainer(tmp_path, RESUMED_STEPS)
+    with pytest.raises(CheckpointError, match=re.escape(f"is corrupt: its record {record!r} (bytes ")):
+        trainer.fit(EditingModel(), ckpt_path=str(bad))
+    assert trainer.global_step == SAVED_STEPS
+
+
 @pytest.mark.parametrize(
     "kind, why",
     [

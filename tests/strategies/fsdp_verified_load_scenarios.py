@@ -17,7 +17,7 @@ import os
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 from unittest import mock
 
 import torch
@@ -87,10 +87,26 @@ class VerifiedLoadModel(TiedFSDPModel):
         return self.normed(super().forward(x))
 
 
-def make_model() -> VerifiedLoadModel:
-    return VerifiedLoadModel(
+def make_model(edited: Optional[str] = None) -> VerifiedLoadModel:
+    """The model; with ``edited`` (comma-separated state-dict keys) an :class:`EditingModel`."""
+    kwargs: Dict[str, Any] = dict(
         width=WIDTH, units=2, extra_before=True, extra_after=True, optimizer="adam", scheduler=True
     )
+    return VerifiedLoadModel(**kwargs) if edited is None else EditingModel(edited.split(","), **kwargs)
+
+
+class EditingModel(VerifiedLoadModel):
+    """Adds 1 in place to the checkpoint's tensors ``edited`` (state-dict keys) in ``on_load_checkpoint``, as user
+    code may: the memory-mapped tensors' pages become this process's own, and the load reads the edited bytes."""
+
+    def __init__(self, edited: List[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.edited = edited
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        for key in self.edited:
+            checkpoint["state_dict"][key].add_(1.0)
 
 
 def _trainer(args: argparse.Namespace, max_steps: int, **kwargs: Any) -> Trainer:
@@ -203,10 +219,10 @@ def recording_reads(trainer: Trainer, path: Path, reads: Set[str]) -> Iterator[N
 
     note_read, note_share = fsdp_introspection._note_read, fsdp_restore._note_share
 
-    def read(tensor: torch.Tensor, start: int, end: int) -> None:
+    def read(tensor: torch.Tensor, start: int, end: int, copied: Optional[torch.Tensor] = None) -> None:
         if start < end:
             reads.add(record_of(tensor))
-        note_read(tensor, start, end)
+        note_read(tensor, start, end, copied)
 
     def share(tensor: torch.Tensor, rank: int, world_size: int) -> None:
         reads.add(f"share:{record_of(tensor)}")
@@ -260,7 +276,7 @@ def resume(args: argparse.Namespace) -> Dict[str, Any]:
     logger.addHandler(lines)
     try:
         with environment(VERIFY_ENV, args.verify), recording:
-            trainer.fit(make_model(), ckpt_path=args.ckpt)
+            trainer.fit(make_model(args.edit_in_place), ckpt_path=args.ckpt)
     except CheckpointError as ex:
         result.update(error=str(ex), error_types=[t.__name__ for t in type(ex).__mro__])
     finally:
@@ -279,6 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", default=None, help="resume: the file to resume from")
     parser.add_argument("--verify", default=None, help=f"resume: {VERIFY_ENV} while it resumes")
     parser.add_argument("--record-reads", action="store_true", help="resume: record the records read in parts")
+    parser.add_argument(
+        "--edit-in-place", default=None, help="resume: the state-dict keys (comma-separated) that on_load_checkpoint edits in place",
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ A file saved once is damaged by one flipped bit in a record read by rank 0 only,
 record, before any training or validation batch. Which ranks read which record is worked out from the shard ranges
 and checked against the reads the load reports. The good file, a file without tensor CRC-32s (earlier fork
 revisions) and a damaged one with ``PL_CHECKPOINT_VERIFY=0`` resume; a truncated one raises the loader's
-``CheckpointError``. A weight that is a view of a larger storage, whose pieces do not cover its record, raises too.
+``CheckpointError``. A weight that is a view of a larger storage, whose pieces do not cover its record, raises too;
+tensors that ``on_load_checkpoint`` edits in place do not.
 Every case runs in ONE launch of the 2 ranks (:class:`~fsdp_harness.runner.ScenarioBatches`, cases in
 ``fsdp_verified_load_scenarios.py``), about 10-25 s.
 """
@@ -60,6 +61,14 @@ def _plan_off(batches: ScenarioBatches) -> None:
 
 def _plan_view(batches: ScenarioBatches) -> None:
     _resume(batches, VIEW, VIEW)
+
+
+#: tensors ``on_load_checkpoint`` edits in place: one the ranks read in parts, one each rank reads whole
+EDITED = "normed.1.weight,before"
+
+
+def _plan_edited(batches: ScenarioBatches) -> None:
+    _resume(batches, "edited_in_place", "good", "--edit-in-place", EDITED)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +145,15 @@ def test_good_file_resumes_checked(runs):
     results = runs.results("good")
     _assert_resumed(results)
     assert [result["unchecked"] for result in results] == [[], []]
+
+
+@pytest.mark.timeout(TIMEOUT)
+@plans.queues(_plan_edited)
+def test_tensors_edited_in_place_on_load_are_not_called_corrupt(runs):
+    """A LightningModule whose ``on_load_checkpoint`` adds 1 in place to a tensor the ranks read in parts and to one
+    each reads whole: the bytes the load reads (over the memory-mapped file, whose edited pages are the process's own)
+    do not match their CRC-32s, the records are read again from the file, which does, and both ranks resume."""
+    _assert_resumed(runs.results("edited_in_place"))
 
 
 @pytest.mark.timeout(TIMEOUT)

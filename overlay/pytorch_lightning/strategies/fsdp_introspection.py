@@ -131,11 +131,13 @@ def _copy_flat_slice(out: torch.Tensor, tensors: Sequence[torch.Tensor], rank: i
     written, offset = 0, 0
     for tensor in tensors:
         lo, hi = max(start - offset, 0), min(end - offset, tensor.numel())
-        # the CRC-32 of the bytes read, where a load's check is open (``lo >= hi`` notes the record as read in parts)
-        _note_read(tensor, lo, hi)
+        copied = None
         if lo < hi:
-            out[written : written + hi - lo].copy_(tensor.reshape(-1)[lo:hi])
+            copied = out[written : written + hi - lo]
+            copied.copy_(tensor.reshape(-1)[lo:hi])
             written += hi - lo
+        # the CRC-32 of the bytes read, where a load's check is open (``lo >= hi`` notes the record as read in parts)
+        _note_read(tensor, lo, hi, copied)
         offset += tensor.numel()
     out[written:].zero_()
     return out

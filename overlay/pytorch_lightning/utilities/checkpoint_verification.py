@@ -2,9 +2,10 @@
 
 A loaded (memory-mapped) checkpoint is opened for the check (:func:`_open_read_check`): the records' offsets and
 CRC-32s come from the file's central directory and local headers, and each tensor of the checkpoint is matched to its
-record by where its storage lies in the file's mapping (``/proc/self/maps``). The bytes are read for the check with
-``pread`` from a descriptor of the file opened then, out of the page cache the mapping shares: a tensor the
-LightningModule's ``on_load_checkpoint`` changed in place (which changes only a private copy of its pages) is not
+record by where its storage lies in the file's mapping (``/proc/self/maps``). The CRC-32s are computed over that
+mapping, where the load reads the bytes, without a copy. The mapping is private: a tensor the LightningModule's
+``on_load_checkpoint`` changed in place changes only this process's copy of its pages. So a record whose bytes do not
+match is read again from the file with ``pread`` (by one rank) before it is called corrupt: an edit in place is not
 mistaken for a corrupt file, and a file put in the checkpoint's place later is not read. Then:
 
 - the code that reads parts of records (the FSDP load, which copies each rank's shards out of the full tensors, see
@@ -26,6 +27,7 @@ it.
 """
 # fork-feature: fork/verified-checkpoints.patch
 import bisect
+import ctypes
 import os
 import zipfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -67,7 +69,7 @@ class _ReadCheck:
             a check whose load failed holds no descriptor).
         index: its records.
         tensors: every tensor of the checkpoint (in dicts, lists and tuples) with its key path.
-        base: the address of the file's first byte in the mapping of the file the load made.
+        base: the address of the file's first byte in the mapping of the whole file the load made.
     """
 
     def __init__(
@@ -81,10 +83,13 @@ class _ReadCheck:
         self._starts = [r.offset for r in self._records]
         #: the key paths of the tensors in each record
         self.keys: Dict[str, List[str]] = {}
+        #: one of the mapping's tensors, which keeps the whole mapping alive while the check reads it
+        self._mapped: Optional[torch.Tensor] = None
         for key, tensor in tensors:
             record = self._record_of(tensor)
             if record is not None:
                 self.keys.setdefault(record.name, []).append(key)
+                self._mapped = tensor
         #: what this process read of the records read in parts, by record name
         self.pieces: Dict[str, List[_ReadPiece]] = {}
 
@@ -99,11 +104,19 @@ class _ReadCheck:
             return None
         return self._records[i]
 
-    def note(self, tensor: torch.Tensor, start: int, end: int, primary: bool = True) -> bool:
+    def note(
+        self,
+        tensor: torch.Tensor,
+        start: int,
+        end: int,
+        primary: bool = True,
+        copied: Optional[torch.Tensor] = None,
+    ) -> bool:
         """Note that elements ``start`` to ``end`` of ``tensor`` (flattened) are read, if it is one of this file's:
-        the CRC-32 of their bytes is computed now, over the mapping. ``start >= end`` notes only that the record is
-        read in parts. A tensor that is not contiguous counts as its whole record. Returns whether it is this
-        file's."""
+        the CRC-32 of their bytes is computed now, over ``copied`` where the reader just copied them there unchanged
+        (the copy's pages are in memory and in cache, the mapping's may have to be faulted in again), else over the
+        mapping. ``start >= end`` notes only that the record is read in parts. A tensor that is not contiguous
+        counts as its whole record. Returns whether it is this file's."""
         record = self._record_of(tensor)
         if record is None:
             return False
@@ -114,9 +127,36 @@ class _ReadCheck:
             itemsize = tensor.element_size()
             at = tensor.untyped_storage().data_ptr() - self._base + (tensor.storage_offset() + start) * itemsize
             nbytes = max(end - start, 0) * itemsize
-        if nbytes > 0:
-            pieces.append((at, nbytes, self.crc_of(at, nbytes), primary))
+        if nbytes <= 0:
+            return True
+        if (
+            copied is not None
+            and tensor.is_contiguous()
+            and copied.is_contiguous()
+            and copied.dtype == tensor.dtype
+            and copied.device.type == "cpu"
+            and copied.numel() * copied.element_size() == nbytes
+        ):
+            crc = _crc32((ctypes.c_ubyte * nbytes).from_address(copied.data_ptr()))
+        else:
+            crc = self.mapped_crc_of(at, nbytes)
+        pieces.append((at, nbytes, crc, primary))
         return True
+
+    def mapped_crc_of(self, offset: int, size: int) -> int:
+        """The CRC-32 of ``size`` bytes at ``offset`` of the file as the load's mapping holds them (where this process
+        changed none of them, the file's)."""
+        if size <= 0:
+            return 0
+        return _crc32((ctypes.c_ubyte * size).from_address(self._base + offset))
+
+    def matches(self, record: _ZipRecord) -> Tuple[bool, int]:
+        """Whether ``record``'s bytes match its CRC-32, and the CRC-32 found: over the mapping, and, where that does
+        not match, read from the file (:meth:`crc_of`)."""
+        crc = self.mapped_crc_of(record.offset, record.size)
+        if crc != record.crc:
+            crc = self.crc_of(record.offset, record.size)
+        return crc == record.crc, crc
 
     def crc_of(self, offset: int, size: int) -> int:
         """The CRC-32 of ``size`` bytes at ``offset`` of the file, read in steps of :data:`_READ_BYTES`.
@@ -139,9 +179,9 @@ class _ReadCheck:
         record = self._record_of(tensor)
         if record is None or record.name in self.pieces:
             return
-        crc = self.crc_of(record.offset, record.size)
+        ok, crc = self.matches(record)
         self.pieces[record.name] = [(record.offset, record.size, crc, True)]
-        if crc != record.crc:
+        if not ok:
             raise _corrupt(self.path, [self.describe(record, crc)])
 
     def note_share(self, tensor: torch.Tensor, rank: int, world_size: int) -> None:
@@ -157,29 +197,29 @@ class _ReadCheck:
         for record in self.index.records:
             if record.name in self.pieces or record.name in skipped or record.size == 0:
                 continue
-            crc = self.crc_of(record.offset, record.size)
-            if crc != record.crc:
+            ok, crc = self.matches(record)
+            if not ok:
                 found.append(self.describe(record, crc))
         return found
 
-    def describe(self, record: _ZipRecord, crc: Optional[int]) -> str:
+    def describe(self, record: _ZipRecord, crc: int) -> str:
         keys = self.keys.get(record.name)
         holds = f"the checkpoint keys {', '.join(repr(k) for k in keys[:8])}" if keys else "no tensor of the checkpoint"
         if keys and len(keys) > 8:
             holds += f" and {len(keys) - 8} more"
-        got = "do not combine into one" if crc is None else f"are {crc:#010x}"
         return (
             f"its record {record.name!r} (bytes {record.offset} to {record.offset + record.size} of the file, holding"
-            f" {holds}) has CRC-32 {record.crc:#010x}, but the bytes read {got}"
+            f" {holds}) has CRC-32 {record.crc:#010x}, but the bytes read are {crc:#010x}"
         )
 
     def combined_mismatches(
         self, every_rank: List[Dict[str, List[_ReadPiece]]], rank: int, world_size: int
     ) -> List[str]:
-        """The records read in parts whose pieces, from every rank, do not combine into their CRC-32; a record whose
-        pieces do not cover it exactly once is checked whole by one rank, ``rank``'s share of them."""
+        """The records read in parts whose pieces, from every rank, do not combine into their CRC-32. A record whose
+        pieces do not cover it exactly once, or do not match (the bytes of a process's mapping may differ from the
+        file's), is checked whole by one rank from the file: ``rank``'s share of them."""
         by_name = {record.name: record for record in self.index.records}
-        found, untiled = [], []
+        untiled = []
         names = sorted({name for pieces in every_rank for name in pieces})
         for name in names:
             record = by_name[name]
@@ -188,15 +228,12 @@ class _ReadCheck:
             crcs_at: Dict[Tuple[int, int], Set[int]] = {}
             for at, nbytes, crc, _ in primary:
                 crcs_at.setdefault((at, nbytes), set()).add(crc)
-            if any(len(crcs) > 1 for crcs in crcs_at.values()):
-                # two ranks read the same bytes and got different ones
-                found.append(self.describe(record, None))
-                continue
-            crc = _tiled_crc(record.offset, record.size, [(at, n, next(iter(c))) for (at, n), c in crcs_at.items()])
-            if crc is None:
+            # two ranks that read the same bytes and got different ones leave it untiled too
+            agreed = all(len(crcs) == 1 for crcs in crcs_at.values())
+            tiles = [(at, n, next(iter(c))) for (at, n), c in crcs_at.items()]
+            if not agreed or _tiled_crc(record.offset, record.size, tiles) != record.crc:
                 untiled.append(record)
-            elif crc != record.crc:
-                found.append(self.describe(record, crc))
+        found = []
         for record in untiled[rank::world_size]:
             crc = self.crc_of(record.offset, record.size)
             if crc != record.crc:
@@ -225,11 +262,11 @@ def _read_crc(fd: int, offset: int, size: int, path: str) -> int:
 _OPEN: List[_ReadCheck] = []
 
 
-def _note_read(tensor: torch.Tensor, start: int, end: int) -> None:
-    """Note that elements ``start`` to ``end`` of ``tensor`` (flattened) are read, if it belongs to a checkpoint being
-    checked (see :meth:`_ReadCheck.note`); nothing otherwise."""
+def _note_read(tensor: torch.Tensor, start: int, end: int, copied: Optional[torch.Tensor] = None) -> None:
+    """Note that elements ``start`` to ``end`` of ``tensor`` (flattened) are read (into ``copied``, if given), if it
+    belongs to a checkpoint being checked (see :meth:`_ReadCheck.note`); nothing otherwise."""
     for check in _OPEN:
-        if check.note(tensor, start, end):
+        if check.note(tensor, start, end, copied=copied):
             return
 
 
@@ -318,7 +355,7 @@ def _mapping_base(stat: os.stat_result, index: _ZipIndex, tensors: List[Tuple[st
 
 
 def _mappings_of(stat: os.stat_result) -> List[int]:
-    """The start addresses of this process's mappings of the file of ``stat`` that begin at its offset 0."""
+    """The start addresses of this process's mappings of the whole file of ``stat`` (from its offset 0)."""
     starts = []
     try:
         with open("/proc/self/maps") as maps:
@@ -326,8 +363,9 @@ def _mappings_of(stat: os.stat_result) -> List[int]:
                 fields = line.split(maxsplit=5)
                 if len(fields) >= 5 and int(fields[4]) == stat.st_ino and int(fields[2], 16) == 0:
                     major, minor = (int(part, 16) for part in fields[3].split(":"))
-                    if os.makedev(major, minor) == stat.st_dev:
-                        starts.append(int(fields[0].split("-")[0], 16))
+                    start, end = (int(address, 16) for address in fields[0].split("-"))
+                    if os.makedev(major, minor) == stat.st_dev and end - start >= stat.st_size:
+                        starts.append(start)
     except (OSError, ValueError):
         return []
     return starts
