@@ -41,6 +41,10 @@ setup(
     # fork_tools (run by this build) uses sys.stdlib_module_names, new in 3.10; torch 2.13 needs 3.10 as well.
     python_requires=">=3.10",
     install_requires=_requirements("base.txt"),
-    extras_require={"test": _requirements("test.txt")},
+    extras_require={
+        "test": _requirements("test.txt"),
+        # Checkpoints in S3-compatible object storage: s3fs (fsspec's "s3://"), its botocore reading AWS_ENDPOINT_URL.
+        "s3": ["s3fs>=2023.9.0"],
+    },
     zip_safe=False,
 )
