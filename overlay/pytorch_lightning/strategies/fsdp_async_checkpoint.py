@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TYPE_
 import torch
 
 from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
-from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit, _shards_to_copy
+from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit, _HostCopies, _shards_to_copy
 from pytorch_lightning.strategies.fsdp_introspection import _flat_shard, _piece_offsets
 from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.strategies.ddp import DDPStrategy
@@ -148,7 +148,7 @@ def _write_streamed_units_in_background(
 def _start_background_save(
     strategy: "DDPFullyShardedStrategy",
     writer: Optional[_StreamedCheckpointFile],
-    copy: Callable[["_HostCopies"], "_BackgroundWork"],
+    copy: Callable[[_HostCopies], "_BackgroundWork"],
 ) -> None:
     """Start a save in the background on every rank or on none: every rank makes its host copies (``copy``, which
     returns what its thread then writes), the ranks agree, and each starts its thread; the save is then in flight.
@@ -234,7 +234,7 @@ def _saves_in_background(strategy: "DDPFullyShardedStrategy") -> bool:
     return False
 
 
-def _host_copy_pool(strategy: "DDPFullyShardedStrategy") -> "_HostCopies":
+def _host_copy_pool(strategy: "DDPFullyShardedStrategy") -> _HostCopies:
     """The host copies of the previous save in the background, to be reused where they fit: allocating (and, on the
     CPU, faulting in) a shard-sized buffer per tensor costs more than the copy itself."""
     pool = _HostCopies(strategy._checkpoint_state.host_copy_pool)
@@ -243,7 +243,7 @@ def _host_copy_pool(strategy: "DDPFullyShardedStrategy") -> "_HostCopies":
 
 
 def _copy_shards(
-    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, pool: "_HostCopies"
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, pool: _HostCopies
 ) -> "_BackgroundWork":
     """This rank's copies (from ``pool``) of its shards of the FSDP parameters and, unless the save is weights-only,
     of their optimizer state, in the order the placeholders of ``stream`` were made, and the writing of them: sent to
@@ -505,30 +505,6 @@ def _gather_and_write(units: List[_UnitShard], states: List[_StateShard], job: _
             with job.guard.catch():
                 for placeholder, start, end in places:
                     job.writer.write_shards(placeholder, shards, numel, start, end)
-
-
-class _HostCopies:
-    """Copies of tensors in host memory, pinned for tensors on a GPU (the copy is queued on the current stream), into
-    the buffers of ``reuse`` where one of the same shape, dtype and pinning is left, else into new ones."""
-
-    def __init__(self, reuse: List[torch.Tensor]) -> None:
-        self._free: Dict[Tuple[Any, ...], List[torch.Tensor]] = {}
-        for buffer in reuse:
-            self._free.setdefault(self._key(buffer.shape, buffer.dtype, buffer.is_pinned()), []).append(buffer)
-
-    @staticmethod
-    def _key(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> Tuple[Any, ...]:
-        return tuple(shape), dtype, pinned
-
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        pinned = tensor.device.type == "cuda"
-        free = self._free.get(self._key(tensor.shape, tensor.dtype, pinned))
-        if free:
-            buffer = free.pop()
-        else:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-        buffer.copy_(tensor.detach(), non_blocking=pinned)
-        return buffer
 
 
 def _abandon_start(job: Optional[_BackgroundSave], writer: Optional[_StreamedCheckpointFile]) -> None:

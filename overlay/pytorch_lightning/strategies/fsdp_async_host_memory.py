@@ -1,13 +1,14 @@
 """The host-memory check of asynchronous FSDP checkpoints (``DDPFullyShardedStrategy(async_checkpoint=True)``): before
 a save copies the ranks' shards into host memory for the background, the ranks check that they have the memory for the
 copies they cannot reuse from the previous save (pinned copies as torch's pinned allocator rounds them), under each
-host's and each memory cgroup's bound together; if not, the save is synchronous (streamed), with a warning.
+host's and each memory cgroup's bound together; if not, the save is synchronous (streamed), with a warning. The copies
+are made by :class:`_HostCopies`, here with the check, which counts the buffers it can reuse by the same key.
 
 The hook is :func:`~.fsdp_async_checkpoint._write_streamed_units_in_background`.
 """
 # fork-feature: fork/fsdp-async-checkpoint.patch
 from collections import Counter
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -75,9 +76,6 @@ def _host_copy_need(strategy: Any, stream: _CheckpointStream, gathered: bool = T
     ``_copy_shards`` copies) that no copy of the previous save can be reused for, pinned ones as torch's pinned
     allocator rounds them (:func:`~pytorch_lightning.utilities.host_memory.pinned_host_bytes`); on global rank 0 of a
     ``gathered`` save also the largest shard once per rank, which its writer thread receives a unit into."""
-    # imported here: fsdp_async_checkpoint imports this module
-    from pytorch_lightning.strategies.fsdp_async_checkpoint import _HostCopies
-
     flats, states = _shards_to_copy(strategy, stream.weights_only)
     sources = [_flat_shard(flat) for flat in flats] + [value for _, value, _ in states]
     reusable = Counter(
@@ -104,3 +102,27 @@ def _host_copy_need(strategy: Any, stream: _CheckpointStream, gathered: bool = T
         receive = strategy.world_size * max(s.numel() * s.element_size() for s in sources)
         held.append(f"{format_bytes(receive)} to receive a unit from every rank")
     return pageable + pinned + receive, " and ".join(held)
+
+
+class _HostCopies:
+    """Copies of tensors in host memory, pinned for tensors on a GPU (the copy is queued on the current stream), into
+    the buffers of ``reuse`` where one of the same shape, dtype and pinning is left, else into new ones."""
+
+    def __init__(self, reuse: List[torch.Tensor]) -> None:
+        self._free: Dict[Tuple[Any, ...], List[torch.Tensor]] = {}
+        for buffer in reuse:
+            self._free.setdefault(self._key(buffer.shape, buffer.dtype, buffer.is_pinned()), []).append(buffer)
+
+    @staticmethod
+    def _key(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> Tuple[Any, ...]:
+        return tuple(shape), dtype, pinned
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        pinned = tensor.device.type == "cuda"
+        free = self._free.get(self._key(tensor.shape, tensor.dtype, pinned))
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+        buffer.copy_(tensor.detach(), non_blocking=pinned)
+        return buffer

@@ -4,7 +4,7 @@ handing the work to the strategy's :class:`~.fsdp_checkpointer._FSDPCheckpointer
 The hook is ``DDPFullyShardedStrategy``'s base class; ``__init__`` makes the checkpointer.
 """
 # fork-feature: fork/checkpoint-errors-on-every-rank.patch
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Type, Union
 
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -26,6 +26,13 @@ class _FSDPCheckpointingStrategy(DDPStrategy):
     def _checkpoint_state(self) -> _FSDPCheckpointState:
         """The checkpoints' state, which the checkpointer owns."""
         return self._checkpointer.state
+
+    @property
+    def _fully_sharded_class(self) -> Type["_FSDPCheckpointingStrategy"]:
+        """``DDPFullyShardedStrategy``, the class deriving from this one, which a user's subclass overrides: the
+        parts are given it here, through the strategy, because ``fully_sharded.py`` imports them (through the
+        checkpointer) and none of them may import it back."""
+        return next(cls for cls in type(self).__mro__ if _FSDPCheckpointingStrategy in cls.__bases__)
 
     @override
     def connect(self, model: Module) -> None:

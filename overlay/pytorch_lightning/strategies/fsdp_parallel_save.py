@@ -22,11 +22,10 @@ import torch
 from pytorch_lightning.strategies.fsdp_async_checkpoint import (
     _BackgroundSave,
     _BackgroundWork,
-    _HostCopies,
     _saves_in_background,
     _start_background_save,
 )
-from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit
+from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit, _HostCopies
 from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
 from pytorch_lightning.strategies.fsdp_introspection import (
     _flat_shard,

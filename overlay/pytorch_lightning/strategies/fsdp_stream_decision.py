@@ -258,11 +258,10 @@ def _reason_in_configuration(
 
 def _reason_in_overrides(strategy: "pl.strategies.DDPFullyShardedStrategy") -> Optional[str]:
     """The strategy methods or hooks that would see the checkpoint without its values."""
-    # imported here: fully_sharded.py imports this module for the base class
-    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
-
+    # the class from the strategy, not imported: fully_sharded.py imports this module (through the checkpointer)
+    fully_sharded = strategy._fully_sharded_class
     for name in ("lightning_module_state_dict", "optimizer_state"):
-        if getattr(type(strategy), name) is not getattr(DDPFullyShardedStrategy, name):
+        if getattr(type(strategy), name) is not getattr(fully_sharded, name):
             return f"`{type(strategy).__name__}.{name}` is overridden"
     trainer, module = strategy.lightning_module.trainer, strategy.lightning_module
     hooks = [
