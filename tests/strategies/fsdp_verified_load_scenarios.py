@@ -296,7 +296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", default=None, help=f"resume: {VERIFY_ENV} while it resumes")
     parser.add_argument("--record-reads", action="store_true", help="resume: record the records read in parts")
     parser.add_argument(
-        "--edit-in-place", default=None, help="resume: the state-dict keys (comma-separated) that on_load_checkpoint edits in place",
+        "--edit-in-place",
+        default=None,
+        help="resume: the state-dict keys (comma-separated) that on_load_checkpoint edits in place",
     )
 
 

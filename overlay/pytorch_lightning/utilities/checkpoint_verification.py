@@ -33,6 +33,8 @@ import zipfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 from pytorch_lightning.utilities.checkpoint_crc import _crc32, _tiled_crc, _ZipIndex, _ZipRecord
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
@@ -307,6 +309,11 @@ def _open_read_check(path: Any, checkpoint: Any) -> Optional[_ReadCheck]:
 
 def _new_read_check(path: str, checkpoint: Any) -> Tuple[Optional[_ReadCheck], str]:
     """The check of ``checkpoint`` loaded from ``path``, or ``None`` and why it cannot be checked."""
+    fs, local_path = url_to_fs(path)
+    if not isinstance(fs, LocalFileSystem):
+        return None, "it is not a local file (only local files are checked)"
+    if "://" in path:
+        path = local_path  # ``file://...``: read through the plain path
     with open(path, "rb", buffering=0) as file:
         stat = os.fstat(file.fileno())
         if not os.path.samestat(stat, os.stat(path)):
