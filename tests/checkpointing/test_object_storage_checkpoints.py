@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from fsdp_harness.s3_proxy import access_denied
 from fsdp_harness.s3_server import ROOT, apply_env, boto3_client
 from fsdp_harness.scenario import quiet_trainer_kwargs
 from pytorch_lightning import Trainer
@@ -104,6 +105,9 @@ def test_save_without_credentials_raises_before_any_data_moves(s3_server, s3_buc
         ("s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/a.ckpt", "s3://AKIDEXAMPLE:***@bucket/a.ckpt"),
         ("https://host/a.ckpt?X-Amz-Signature=abc&X-Amz-Date=1", "https://host/a.ckpt?X-Amz-Signature=***&X-Amz-Date=***"),
         ("/local/path/a.ckpt", "/local/path/a.ckpt"),
+        # AWS's documented example secret holds a '/', which ends a URL's host part for urllib
+        ("s3://AKIDEXAMPLE:wJalrXUtnFEMI/K7MDENG@bucket/a.ckpt", "s3://AKIDEXAMPLE:***@bucket/a.ckpt"),
+        ("abfs://container@account.dfs.core.windows.net/a.ckpt", "abfs://container@account.dfs.core.windows.net/a.ckpt"),
     ],
 )
 def test_urls_are_shown_without_their_secrets(url, shown):
@@ -139,3 +143,25 @@ def test_resume_from_an_object_store_says_it_is_not_checked(tmp_path, s3_env, s3
     unchecked = [line for line in lines.lines if "is loaded without checking its CRC-32s" in line]
     assert unchecked == [f"The checkpoint {url!r} is loaded without checking its CRC-32s: it is not a local file (only"
                          " local files are checked)."]
+
+
+@pytest.mark.timeout(120)
+def test_save_where_head_bucket_is_refused(s3_server, s3_bucket, s3_proxies):
+    """Through a proxy that answers S3's ``HeadBucket`` with 403 (a role without ``s3:ListBucket``, a requester-pays
+    bucket), the save asks as 1.6.5's ``makedirs`` did (s3fs's ``exists``, which tries other calls) and writes the
+    checkpoint; where every request is refused it raises ``PermissionError`` and writes nothing."""
+    url = f"s3://{s3_bucket}/run/a.ckpt"
+    denied = s3_proxies([access_denied("HeadBucket")])
+
+    def save(proxy) -> str:
+        env = apply_env(proxy.env(max_attempts=1))
+        result = subprocess.run([sys.executable, "-c", _SAVE, url], env=env, cwd=ROOT, capture_output=True, text=True)
+        return result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr
+
+    assert save(denied) == "saved"
+    assert denied.counts()["by_op"]["HeadBucket"]["faults"] >= 1
+    assert _objects(s3_server.endpoint, s3_bucket) == ["run/a.ckpt"]
+    boto3_client(s3_server.endpoint).delete_object(Bucket=s3_bucket, Key="run/a.ckpt")
+    line = save(s3_proxies([access_denied()]))
+    assert line.startswith(f"PermissionError | The checkpoint path {url} cannot be reached"), line
+    assert _objects(s3_server.endpoint, s3_bucket) == []

@@ -67,6 +67,15 @@ def _plan_view(batches: ScenarioBatches) -> None:
 EDITED = "normed.1.weight,before"
 
 
+#: the damaged files resumed with rank 1 unchecked: records read in parts by rank 1 only, and by both ranks
+UNCHECKED_RANK_FLIPS = ("rank1_only", "both_ranks", "optimizer_flat")
+
+
+def _plan_unchecked_rank(batches: ScenarioBatches) -> None:
+    for name in UNCHECKED_RANK_FLIPS:
+        _resume(batches, f"rank1_unchecked-{name}", name, "--unchecked-rank", "1")
+
+
 def _plan_edited(batches: ScenarioBatches) -> None:
     _resume(batches, "edited_in_place", "good", "--edit-in-place", EDITED)
 
@@ -154,6 +163,20 @@ def test_tensors_edited_in_place_on_load_are_not_called_corrupt(runs):
     each reads whole: the bytes the load reads (over the memory-mapped file, whose edited pages are the process's own)
     do not match their CRC-32s, the records are read again from the file, which does, and both ranks resume."""
     _assert_resumed(runs.results("edited_in_place"))
+
+
+@pytest.mark.timeout(TIMEOUT)
+@plans.queues(_plan_unchecked_rank)
+@pytest.mark.parametrize("name", UNCHECKED_RANK_FLIPS)
+def test_rank_without_a_check_leaves_no_record_unread(runs, name):
+    """Rank 1 loads without a check of its own (``PL_CHECKPOINT_VERIFY=0`` there only, as where a rank cannot check
+    the file): rank 0's pieces alone do not cover the records read in parts, so it reads every one of them again from
+    the file itself (before, it read every other one, leaving rank 1's share unread), and both ranks raise."""
+    record = _saved(runs)["flipped"][name]["record"]
+    for result in runs.results(f"rank1_unchecked-{name}"):
+        assert result["error"] is not None, f"rank {result['rank']} resumed from the damaged file: {result}"
+        assert f"is corrupt: its record {record!r}" in result["error"], result["error"]
+        assert result["train_batches"] == 0, result
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -10,8 +10,8 @@ The hook is ``TorchCheckpointIO.save_checkpoint``.
 """
 # fork-feature: fork/object-storage-checkpoints.patch
 import os
+import re
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from fsspec import AbstractFileSystem
 
@@ -21,18 +21,23 @@ OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abf
 
 
 def _redacted(url: Any) -> str:
-    """``url`` as it may be shown in a message or a log: without the password of its user part (``s3://KEY:SECRET@b``)
-    nor the values of its query (pre-signed URLs carry their signature there)."""
+    """``url`` as it may be shown in a message or a log: without the password of its user part
+    (``s3://KEY:SECRET@bucket``, where the secret may hold ``/``) nor the values of its query (pre-signed URLs carry
+    their signature there)."""
     text = str(url)
     if "://" not in text:
         return text
-    parts = urlsplit(text)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, host = netloc.rsplit("@", 1)
-        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
-    query = "&".join(f"{item.split('=', 1)[0]}=***" if "=" in item else item for item in parts.query.split("&"))
-    return urlunsplit((parts.scheme, netloc, parts.path, query if parts.query else "", parts.fragment))
+    text = _USER_PASSWORD.sub(r"\1:***@", text)
+    base, sep, query = text.partition("?")
+    if not sep:
+        return text
+    query, hash_sign, fragment = query.partition("#")
+    query = "&".join(f"{item.split('=', 1)[0]}=***" if "=" in item else item for item in query.split("&"))
+    return f"{base}?{query}{hash_sign}{fragment}"
+
+
+#: ``scheme://user:password@``: the password runs to the last ``@`` before the query (it may hold ``/``)
+_USER_PASSWORD = re.compile(r"^([A-Za-z][\w+.-]*://[^/:@?#]+):[^?#]*@")
 
 
 def _is_object_store(fs: AbstractFileSystem) -> bool:
@@ -47,35 +52,45 @@ def _prepare_checkpoint_dir(fs: AbstractFileSystem, path: Any) -> None:
     Raises:
         FileNotFoundError: if the bucket of ``path`` does not exist.
         PermissionError: if the client has no credentials, or they are refused.
+        OSError: if the bucket cannot be checked for another reason (the message shows the URL without secrets).
     """
     if not _is_object_store(fs):
         fs.makedirs(os.path.dirname(str(path)), exist_ok=True)
         return
-    bucket = fs._strip_protocol(str(path)).split("/", 1)[0]
-    protocol = str(path).split("://", 1)[0] if "://" in str(path) else "s3"
     shown = _redacted(path)
     try:
+        bucket = _bucket_of(fs, path)
         found = _bucket_exists(fs, bucket)
     except Exception as ex:
-        # s3fs turns 403 into PermissionError; botocore's NoCredentialsError is none of Python's: name the cause,
-        # never the error's text, which may quote a signed request
-        if not isinstance(ex, PermissionError) and "Credential" not in type(ex).__name__:
-            raise
-        raise PermissionError(
-            f"The checkpoint path {shown} cannot be reached ({type(ex).__name__}): give the client credentials"
-            " with access to the bucket through its standard configuration (for S3: AWS_ACCESS_KEY_ID and"
-            " AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)."
-        ) from None
+        # name the cause, never the error's text, which may quote the URL with its secret or a signed request
+        if isinstance(ex, PermissionError) or "Credential" in type(ex).__name__:
+            raise PermissionError(
+                f"The checkpoint path {shown} cannot be reached ({type(ex).__name__}): give the client credentials"
+                " with access to the bucket through its standard configuration (for S3: AWS_ACCESS_KEY_ID and"
+                " AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)."
+            ) from None
+        raise OSError(f"The bucket of the checkpoint path {shown} cannot be checked ({type(ex).__name__}).") from None
     if not found:
         raise FileNotFoundError(
-            f"The bucket {bucket!r} of the checkpoint path {shown} does not exist. Checkpoints never create a bucket:"
-            f" create it (or correct the path) first, e.g. `aws s3 mb {protocol}://{bucket}`."
+            f"The bucket {bucket!r} of the checkpoint path {shown} does not exist. Checkpoints never create a"
+            " bucket: create it (or correct the path) first."
         )
 
 
+def _bucket_of(fs: AbstractFileSystem, path: Any) -> str:
+    """The bucket (or container) of ``path``: s3fs's own ``split_path`` where there is one (it knows S3 access-point
+    ARNs, whose "bucket" holds a ``/``), else the first component of the path."""
+    split_path = getattr(fs, "split_path", None)
+    if split_path is not None:
+        return split_path(str(path))[0]
+    return fs._strip_protocol(str(path)).split("/", 1)[0]
+
+
 def _bucket_exists(fs: AbstractFileSystem, bucket: str) -> bool:
-    """Whether ``bucket`` exists on ``fs``: S3's ``HeadBucket`` through s3fs's client (which raises on missing
-    credentials, where ``fs.exists`` answers ``False``), else ``fs.exists``."""
+    """Whether ``bucket`` exists on ``fs``: S3's ``HeadBucket`` through s3fs's client first (it raises on missing
+    credentials, where ``fs.exists`` answers ``False``); where ``HeadBucket`` is refused (a role without
+    ``s3:ListBucket``, a requester-pays bucket), ``fs.exists``, as 1.6.5's ``makedirs`` asked, which tries the other
+    calls s3fs knows. Elsewhere ``fs.exists``."""
     call_s3 = getattr(fs, "call_s3", None)
     if call_s3 is None:
         return fs.exists(bucket)
@@ -84,5 +99,8 @@ def _bucket_exists(fs: AbstractFileSystem, bucket: str) -> bool:
     except FileNotFoundError:
         # s3fs turns 404 (NoSuchBucket) into FileNotFoundError, and 403 into PermissionError
         return False
+    except PermissionError:
+        if fs.exists(bucket):
+            return True
+        raise
     return True
-

@@ -5,14 +5,14 @@ CRC-32s come from the file's central directory and local headers, and each tenso
 record by where its storage lies in the file's mapping (``/proc/self/maps``). The CRC-32s are computed over that
 mapping, where the load reads the bytes, without a copy. The mapping is private: a tensor the LightningModule's
 ``on_load_checkpoint`` changed in place changes only this process's copy of its pages. So a record whose bytes do not
-match is read again from the file with ``pread`` (by one rank) before it is called corrupt: an edit in place is not
+match is read again from the file with ``pread`` (see below) before it is called corrupt: an edit in place is not
 mistaken for a corrupt file, and a file put in the checkpoint's place later is not read. Then:
 
 - the code that reads parts of records (the FSDP load, which copies each rank's shards out of the full tensors, see
   ``fsdp_introspection._copy_flat_slice``) reports each range it reads (:func:`_note_read`), and its CRC-32 is
   computed right there; the ranks combine the CRC-32s of a record's pieces without the data (``crc32_combine``) in
   one exchange of a few integers per piece, and a record whose pieces do not cover it exactly (views that leave
-  gaps) is checked whole by one rank;
+  gaps), or that does not match, is read again whole by one of the ranks that have a check;
 - every other record the load reads is read whole by every process, which checks it alone: the records outside FSDP,
   ``data.pkl`` and the small records beside it; the optimizer state is not read (nor checked) where the optimizers are
   not restored (``validate``, ``test``, ``predict``).
@@ -85,13 +85,14 @@ class _ReadCheck:
         self._starts = [r.offset for r in self._records]
         #: the key paths of the tensors in each record
         self.keys: Dict[str, List[str]] = {}
-        #: one of the mapping's tensors, which keeps the whole mapping alive while the check reads it
-        self._mapped: Optional[torch.Tensor] = None
+        #: the storage of one of the mapping's tensors, which keeps the whole mapping alive while the check reads it
+        #: (the tensor itself would not: user code may give it other storage)
+        self._mapped: Optional[torch.UntypedStorage] = None
         for key, tensor in tensors:
             record = self._record_of(tensor)
             if record is not None:
                 self.keys.setdefault(record.name, []).append(key)
-                self._mapped = tensor
+                self._mapped = tensor.untyped_storage()
         #: what this process read of the records read in parts, by record name
         self.pieces: Dict[str, List[_ReadPiece]] = {}
 
@@ -154,11 +155,20 @@ class _ReadCheck:
 
     def matches(self, record: _ZipRecord) -> Tuple[bool, int]:
         """Whether ``record``'s bytes match its CRC-32, and the CRC-32 found: over the mapping, and, where that does
-        not match, read from the file (:meth:`crc_of`)."""
-        crc = self.mapped_crc_of(record.offset, record.size)
+        not match, read from the file (:meth:`crc_of`). A file that no longer holds the record (truncated since the
+        load) is read, not mapped: a mapped page past its end would kill the process (``SIGBUS``)."""
+        crc = self.mapped_crc_of(record.offset, record.size) if self._holds(record) else None
         if crc != record.crc:
             crc = self.crc_of(record.offset, record.size)
         return crc == record.crc, crc
+
+    def _holds(self, record: _ZipRecord) -> bool:
+        """Whether the file at the check's path is still the one loaded, and long enough to hold ``record``."""
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return False
+        return os.path.samestat(stat, self._stat) and stat.st_size >= record.offset + record.size
 
     def crc_of(self, offset: int, size: int) -> int:
         """The CRC-32 of ``size`` bytes at ``offset`` of the file, read in steps of :data:`_READ_BYTES`.
@@ -215,11 +225,12 @@ class _ReadCheck:
         )
 
     def combined_mismatches(
-        self, every_rank: List[Dict[str, List[_ReadPiece]]], rank: int, world_size: int
+        self, every_rank: List[Dict[str, List[_ReadPiece]]], checkers: List[int], rank: int
     ) -> List[str]:
         """The records read in parts whose pieces, from every rank, do not combine into their CRC-32. A record whose
         pieces do not cover it exactly once, or do not match (the bytes of a process's mapping may differ from the
-        file's), is checked whole by one rank from the file: ``rank``'s share of them."""
+        file's), is checked whole from the file by one of the ranks ``checkers`` (those with a check): ``rank``'s
+        share of them."""
         by_name = {record.name: record for record in self.index.records}
         untiled = []
         names = sorted({name for pieces in every_rank for name in pieces})
@@ -236,7 +247,8 @@ class _ReadCheck:
             if not agreed or _tiled_crc(record.offset, record.size, tiles) != record.crc:
                 untiled.append(record)
         found = []
-        for record in untiled[rank::world_size]:
+        share = untiled[checkers.index(rank) :: len(checkers)] if rank in checkers else []
+        for record in share:
             crc = self.crc_of(record.offset, record.size)
             if crc != record.crc:
                 found.append(self.describe(record, crc))
@@ -309,7 +321,11 @@ def _open_read_check(path: Any, checkpoint: Any) -> Optional[_ReadCheck]:
 
 def _new_read_check(path: str, checkpoint: Any) -> Tuple[Optional[_ReadCheck], str]:
     """The check of ``checkpoint`` loaded from ``path``, or ``None`` and why it cannot be checked."""
-    fs, local_path = url_to_fs(path)
+    try:
+        fs, local_path = url_to_fs(path)
+    except (ValueError, ImportError):
+        # a protocol fsspec does not know (a custom ``CheckpointIO``'s), or whose client is not installed
+        return None, "it is not a local file (only local files are checked)"
     if not isinstance(fs, LocalFileSystem):
         return None, "it is not a local file (only local files are checked)"
     if "://" in path:
@@ -411,13 +427,15 @@ def _finish_read_check(
     if check is not None and check in _OPEN:
         _OPEN.remove(check)
     found: List[str] = []
-    mine: Tuple[Dict[str, List[_ReadPiece]], List[str]] = ({}, [])
+    # (the pieces read in parts, the mismatches of the records read whole, whether this rank has a check)
+    mine: Tuple[Dict[str, List[_ReadPiece]], List[str], bool] = ({}, [], False)
     error: Optional[BaseException] = None
     try:
         if check is not None:
             skipped = set() if optimizer_states_read else check.unread("optimizer_states")
-            # the ranks' pieces, without the records this rank only noted as read in parts
-            mine = ({name: pieces for name, pieces in check.pieces.items() if pieces}, check.whole_mismatches(skipped))
+            # the ranks' pieces, with the records this rank only noted as read in parts (no pieces): a record that
+            # only a rank without a check read is then still read again, by one that has one
+            mine = (dict(check.pieces), check.whole_mismatches(skipped), True)
     except Exception as ex:
         error = ex
     try:
@@ -426,8 +444,11 @@ def _finish_read_check(
             raise error
         if check is None:
             return
-        found = [m for _, mismatches in everyone for m in mismatches]
-        found += check.combined_mismatches([pieces for pieces, _ in everyone], rank, len(everyone))
+        found = [m for _, mismatches, _ in everyone for m in mismatches]
+        # the records to read again are shared among the ranks that have a check: one without (a file it could not
+        # check) would leave its share unread
+        checkers = [i for i, (_, _, checked) in enumerate(everyone) if checked]
+        found += check.combined_mismatches([pieces for pieces, _, _ in everyone], checkers, rank)
     finally:
         _close_read_check(check)
     if found:
