@@ -165,3 +165,17 @@ def test_save_where_head_bucket_is_refused(s3_server, s3_bucket, s3_proxies):
     line = save(s3_proxies([access_denied()]))
     assert line.startswith(f"PermissionError | The checkpoint path {url} cannot be reached"), line
     assert _objects(s3_server.endpoint, s3_bucket) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_secret_in_the_url_stays_out_of_the_error(tmp_path, s3_env, s3_bucket):
+    """A checkpoint URL that carries credentials (``s3://KEY:SECRET@bucket/...``) fails to save, and neither the
+    ``CheckpointError`` nor its cause quotes the secret."""
+    secret = "wJalrXUtnFEMI/K7MDENG"
+    trainer = Trainer(**quiet_trainer_kwargs(tmp_path, 1, max_steps=1, limit_val_batches=0))
+    trainer.fit(BoringModel())
+    with pytest.raises(CheckpointError) as info:
+        trainer.save_checkpoint(f"s3://AKIDEXAMPLE:{secret}@{s3_bucket}/run/a.ckpt")
+    shown = f"{info.value} {info.value.__cause__} {info.value.__context__}"
+    assert secret not in shown and "wJal" not in shown, shown
+    assert "AKIDEXAMPLE:***@" in str(info.value), str(info.value)

@@ -29,6 +29,7 @@ from pytorch_lightning.strategies.fsdp_introspection import (
     _named_fsdp_instances,
 )
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _distributed_run
+from pytorch_lightning.utilities.checkpoint_location import _redacted
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
@@ -252,7 +253,7 @@ def _reason_in_configuration(
     if storage_options is not None or getattr(save, "__func__", None) is not TorchCheckpointIO.save_checkpoint:
         return f"the checkpoint is saved by a custom `{type(strategy.checkpoint_io).__name__}.save_checkpoint`"
     if not isinstance(get_filesystem(filepath), LocalFileSystem):
-        return f"{str(filepath)!r} is not a local path"
+        return f"{_redacted(filepath)!r} is not a local path"
     return None
 
 

@@ -37,6 +37,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from pytorch_lightning.utilities.checkpoint_crc import _crc32, _tiled_crc, _ZipIndex, _ZipRecord
+from pytorch_lightning.utilities.checkpoint_location import _redacted
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
@@ -313,7 +314,7 @@ def _open_read_check(path: Any, checkpoint: Any) -> Optional[_ReadCheck]:
         # load goes on unchecked rather than failing on the check's account
         check, why = None, f"{type(ex).__name__}: {ex}"
     if check is None:
-        rank_zero_info(f"The checkpoint {path!r} is loaded without checking its CRC-32s: {why}.")
+        rank_zero_info(f"The checkpoint {_redacted(path)!r} is loaded without checking its CRC-32s: {why}.")
         return None
     _OPEN.append(check)
     return check

@@ -24,6 +24,7 @@ from pytorch_lightning.utilities.checkpoint_errors import (
     CHECKPOINT_TIMEOUT_ENV,
     FINAL_EXCHANGE_FLAG,
 )
+from pytorch_lightning.utilities.checkpoint_location import _redacted
 from pytorch_lightning.utilities.checkpoint_verification import _finish_restore_check, _open_read_check
 from pytorch_lightning.utilities.collective_guard import _PeerFailed, _PeerLost
 from pytorch_lightning.utilities.distributed import distributed_available
@@ -62,7 +63,7 @@ class _CheckpointFailures:
         ``CheckpointError`` on every rank if a record the restore read does not match its CRC-32. Collective when
         more than one process runs."""
         path = self._connector.resume_checkpoint_path
-        with self.raising_on_every_rank(f"Checking the CRC-32s of the checkpoint at {str(path)!r}"):
+        with self.raising_on_every_rank(f"Checking the CRC-32s of the checkpoint at {_redacted(path)!r}"):
             _finish_restore_check(self._connector.trainer)
 
     def agree_that_every_rank_saves(self, filepath: _PATH) -> None:
@@ -71,7 +72,7 @@ class _CheckpointFailures:
         are, or raise ``CheckpointError`` after ``PL_CHECKPOINT_ARRIVAL_TIMEOUT``. Collective for those strategies."""
         strategy = self._connector.trainer.strategy
         if isinstance(strategy, pl.strategies.DDPFullyShardedStrategy):
-            strategy._checkpointer.agree_on_arrival(f"Saving the checkpoint to {str(filepath)!r}")
+            strategy._checkpointer.agree_on_arrival(f"Saving the checkpoint to {_redacted(filepath)!r}")
 
     def save_checkpoint_on_every_rank(
         self, filepath: _PATH, weights_only: bool = False, storage_options: Optional[Any] = None
@@ -80,7 +81,7 @@ class _CheckpointFailures:
         any rank raises on every rank when the strategy gathers the state on all of them (FSDP, DeepSpeed), else on
         the failing rank alone."""
         strategy = self._connector.trainer.strategy
-        action = f"Saving the checkpoint to {str(filepath)!r}"
+        action = f"Saving the checkpoint to {_redacted(filepath)!r}"
         collective = isinstance(strategy, (pl.strategies.DDPFullyShardedStrategy, pl.strategies.DeepSpeedStrategy))
         checkpoint, error = self._dump_checkpoint(filepath, weights_only, storage_options)
         if collective:
