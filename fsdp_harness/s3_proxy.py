@@ -229,6 +229,11 @@ class _State:
         return None
 
     def record(self, entry: Dict[str, Any]) -> None:
+        """Count ``entry`` once. The handler calls it before the last byte of its answer leaves (see
+        ``_Handler._recorded``): a client that got its answer finds it in the counts and the log."""
+        if entry.get("recorded"):
+            return
+        entry["recorded"] = True
         with self.lock:
             counts = self.counts[entry["op"]]
             counts["requests"] += 1
@@ -341,6 +346,7 @@ class _Handler(BaseHTTPRequestHandler):
                 for _ in self._body():  # read, never forwarded: the server does not see the request
                     pass
                 entry["status"] = fault.status
+                self.server.state.record(entry)
                 self._send_error(fault)
         except _Reset:
             self.close_connection = True
@@ -373,6 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
             for _ in self._body():
                 pass
             entry["status"] = 502
+            state.record(entry)
             return self._send_error(Fault("error", status=502, code="BadGateway", message=f"upstream: {err}"))
         try:
             upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
@@ -388,6 +395,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self._send_piece(upstream, piece, chunked)
                     entry["sent"] += len(piece)
                     _abort(upstream.sock)
+                    state.record(entry)
                     self._reset_client()
                 self._send_piece(upstream, piece, chunked)
                 entry["sent"] += len(piece)
@@ -400,6 +408,7 @@ class _Handler(BaseHTTPRequestHandler):
             if reset_after is not None:
                 # The whole request reached the server: let it finish, then keep its answer from the client.
                 entry["received"] = len(response.read())
+                state.record(entry)
                 self._reset_client()
             self._relay(response, entry)
         finally:
@@ -429,6 +438,7 @@ class _Handler(BaseHTTPRequestHandler):
             if name.lower() not in _HOP_BY_HOP:
                 self.send_header(name, value)
         if no_body:
+            self.server.state.record(entry)
             self.end_headers()
             return
         if response.chunked:
@@ -436,13 +446,25 @@ class _Handler(BaseHTTPRequestHandler):
         elif response.length is None:
             self.send_header("Connection", "close")  # the body ends where the connection does
             self.close_connection = True
-        self.end_headers()
+        # each piece is written once the next one is read, so that the entry is recorded before the last one leaves
+        held = b""
+        headers_sent = False
         while True:
             piece = response.read1(PIECE) if response.chunked else response.read(PIECE)
             if not piece:
                 break
             entry["received"] += len(piece)
-            self.wfile.write(b"%x\r\n%b\r\n" % (len(piece), piece) if response.chunked else piece)
+            if not headers_sent:
+                self.end_headers()
+                headers_sent = True
+            if held:
+                self.wfile.write(b"%x\r\n%b\r\n" % (len(held), held) if response.chunked else held)
+            held = piece
+        self.server.state.record(entry)
+        if not headers_sent:
+            self.end_headers()
+        if held:
+            self.wfile.write(b"%x\r\n%b\r\n" % (len(held), held) if response.chunked else held)
         if response.chunked:
             self.wfile.write(b"0\r\n\r\n")
 
