@@ -27,7 +27,6 @@ it.
 """
 # fork-feature: fork/verified-checkpoints.patch
 import bisect
-import ctypes
 import os
 import zipfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -40,6 +39,7 @@ from pytorch_lightning.utilities.checkpoint_crc import _crc32, _tiled_crc, _ZipI
 from pytorch_lightning.utilities.checkpoint_location import _redacted
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities.streamed_checkpoint_file import _memory_of
 
 #: ``0`` turns the check off (see :func:`_verify_wanted`).
 VERIFY_ENV = "PL_CHECKPOINT_VERIFY"
@@ -141,7 +141,7 @@ class _ReadCheck:
             and copied.device.type == "cpu"
             and copied.numel() * copied.element_size() == nbytes
         ):
-            crc = _crc32((ctypes.c_ubyte * nbytes).from_address(copied.data_ptr()))
+            crc = _crc32(_memory_of(copied.data_ptr(), nbytes))
         else:
             crc = self.mapped_crc_of(at, nbytes)
         pieces.append((at, nbytes, crc, primary))
@@ -150,9 +150,7 @@ class _ReadCheck:
     def mapped_crc_of(self, offset: int, size: int) -> int:
         """The CRC-32 of ``size`` bytes at ``offset`` of the file as the load's mapping holds them (where this process
         changed none of them, the file's)."""
-        if size <= 0:
-            return 0
-        return _crc32((ctypes.c_ubyte * size).from_address(self._base + offset))
+        return _crc32(_memory_of(self._base + offset, max(size, 0)))
 
     def matches(self, record: _ZipRecord) -> Tuple[bool, int]:
         """Whether ``record``'s bytes match its CRC-32, and the CRC-32 found: over the mapping, and, where that does
