@@ -8,9 +8,11 @@ explicitly:
 - :mod:`.fsdp_stream_decision`: whether a save streams, and its placeholders;
 - :mod:`.fsdp_streaming_save`: the streamed save (structure, then unit by unit);
 - :mod:`.fsdp_parallel_save`: the streamed save's units written by every rank into the one file;
+- :mod:`.fsdp_parallel_upload`: the same into one object in S3, uploaded in parts by every rank;
 - :mod:`.fsdp_async_checkpoint`: the streamed save's units written in the background, the save in flight;
 - :mod:`.fsdp_optimizer_state`: the consolidated optimizer state (save, re-shard on load);
 - :mod:`.fsdp_restore`: the load into the sharded model;
+- :mod:`.fsdp_ranged_load`: the load from object storage, each rank fetching the bytes it reads;
 - :mod:`.fsdp_replicated_parameters`: the parameters outside FSDP.
 
 The hooks are ``DDPFullyShardedStrategy``'s ``__init__`` and its call sites; the strategy's overrides are in
@@ -40,6 +42,11 @@ from pytorch_lightning.strategies.fsdp_checkpoint_errors import (
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _FSDPCheckpointState, _SaveSession
 from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
 from pytorch_lightning.strategies.fsdp_parallel_save import _plan_own_writes, _write_units_by_every_rank
+from pytorch_lightning.strategies.fsdp_parallel_upload import (
+    _plan_upload,
+    _scratch_checkpoint_file,
+    _upload_units_by_every_rank,
+)
 from pytorch_lightning.strategies.fsdp_optimizer_state import (
     _check_optimizer_state_layout,
     _load_optimizer_state_dict,
@@ -51,6 +58,7 @@ from pytorch_lightning.strategies.fsdp_replicated_parameters import (
     _shared_parameters,
     _sync_replicated_gradients,
 )
+from pytorch_lightning.strategies.fsdp_ranged_load import _load_checkpoint_in_ranges
 from pytorch_lightning.strategies.fsdp_restore import _load_model_state_dict
 from pytorch_lightning.strategies.fsdp_stream_decision import (
     _begin_checkpoint_save,
@@ -59,6 +67,8 @@ from pytorch_lightning.strategies.fsdp_stream_decision import (
 )
 from pytorch_lightning.strategies.fsdp_streaming_save import _save_checkpoint_if_streamed
 from pytorch_lightning.utilities.checkpoint_errors import _distributed_run
+from pytorch_lightning.utilities.cloud_io import get_filesystem
+from pytorch_lightning.utilities.multipart_upload import _is_multipart_store
 from pytorch_lightning.utilities.types import _PATH
 
 if TYPE_CHECKING:
@@ -135,6 +145,15 @@ class _FSDPCheckpointer:
         return _optimizer_state(self._strategy, optimizer)
 
     def save_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
+        if _is_multipart_store(get_filesystem(filepath)):
+            return _save_checkpoint_if_streamed(
+                self._strategy,
+                checkpoint,
+                filepath,
+                _upload_units_by_every_rank,
+                _plan_upload,
+                _scratch_checkpoint_file,
+            )
         if not self._every_rank_may_write():
             return _save_checkpoint_if_streamed(
                 self._strategy, checkpoint, filepath, _write_streamed_units_in_background
@@ -165,6 +184,9 @@ class _FSDPCheckpointer:
         return _defer_removal_while_in_flight(self._strategy, filepath)
 
     # a load
+
+    def load_in_ranges(self, checkpoint_path: _PATH) -> Optional[Dict[str, Any]]:
+        return _load_checkpoint_in_ranges(self._strategy, checkpoint_path)
 
     def load_model_state_dict(
         self, checkpoint: Mapping[str, Any], load_unsharded: Callable[[Mapping[str, Any]], None]

@@ -133,7 +133,8 @@ class _FSDPCheckpointingStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         self.wait_for_checkpoint()
-        return super().load_checkpoint(*args, **kwargs)
+        loaded = self._checkpointer.load_in_ranges(*args, **kwargs)
+        return loaded if loaded is not None else super().load_checkpoint(*args, **kwargs)
 
     @property
     @override

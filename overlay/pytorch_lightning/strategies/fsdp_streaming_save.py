@@ -52,6 +52,7 @@ def _save_checkpoint_if_streamed(
     filepath: _PATH,
     write_units: "_UnitsWriter",
     plan_units: Optional[_UnitsPlanner] = None,
+    open_file: Callable[[_PATH], _StreamedCheckpointFile] = _StreamedCheckpointFile,
 ) -> bool:
     """Write ``checkpoint`` while gathering the state its placeholders stand for, if this save was prepared to
     stream (see ``stream_checkpoint``), and return whether it was. Collective then.
@@ -59,7 +60,8 @@ def _save_checkpoint_if_streamed(
     ``write_units`` writes the units once the structure is written: :func:`_write_streamed_units`, or the background
     save's (see :mod:`~pytorch_lightning.strategies.fsdp_async_checkpoint`), or every rank's (see
     :mod:`~pytorch_lightning.strategies.fsdp_parallel_save`), which ``plan_units`` prepares on global rank 0 once
-    the structure is written: its result reaches every rank as ``stream.plan``, with rank 0's decision."""
+    the structure is written: its result reaches every rank as ``stream.plan``, with rank 0's decision. Global rank 0
+    writes into ``open_file(filepath)`` (a scratch file, for object storage)."""
     session = strategy._checkpoint_state.session
     stream = None if session is None else session.stream
     if session is not None:
@@ -70,7 +72,7 @@ def _save_checkpoint_if_streamed(
     # state one at a time while rank 0 writes each into its place. The file appears at ``filepath`` only if every
     # rank succeeded; a failure on any rank leaves the previous file untouched and is raised on that rank
     # (``Trainer.save_checkpoint`` then raises it on every rank)
-    streams, writer = _write_streamed_skeleton(strategy, checkpoint, filepath, stream, session, plan_units)
+    streams, writer = _write_streamed_skeleton(strategy, checkpoint, filepath, stream, session, plan_units, open_file)
     if streams:
         write_units(strategy, stream, writer)
     return True
@@ -79,6 +81,7 @@ def _save_checkpoint_if_streamed(
 def _write_streamed_skeleton(
     strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], filepath: _PATH, stream: "_CheckpointStream",
     session: _SaveSession, plan_units: Optional[_UnitsPlanner] = None,
+    open_file: Callable[[_PATH], _StreamedCheckpointFile] = _StreamedCheckpointFile,
 ) -> Tuple[bool, Optional[_StreamedCheckpointFile]]:
     """Global rank 0 writes the checkpoint's structure into a new temporary file (see
     :meth:`_StreamedCheckpointFile.write_skeleton`) and, with ``plan_units``, prepares the units' writers
@@ -90,7 +93,7 @@ def _write_streamed_skeleton(
     writer, error, decision = None, None, "stream"
     if strategy.is_global_zero:
         try:
-            writer = _StreamedCheckpointFile(filepath)
+            writer = open_file(filepath)
             writer.write_skeleton(checkpoint, stream.placeholders())
             if plan_units is not None:
                 stream.plan = plan_units(strategy, stream, writer)

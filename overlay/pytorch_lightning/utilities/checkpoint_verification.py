@@ -73,12 +73,24 @@ class _ReadCheck:
         index: its records.
         tensors: every tensor of the checkpoint (in dicts, lists and tuples) with its key path.
         base: the address of the file's first byte in the mapping of the whole file the load made.
+        name: how messages name the file (by default ``path``): the URL of an object whose local copy ``path`` is.
+        copy: the sparse local copy of an object in object storage that ``path`` opens (see
+            :mod:`~pytorch_lightning.utilities.sparse_object_copy`): a range read again is fetched first.
     """
 
     def __init__(
-        self, path: str, stat: os.stat_result, index: _ZipIndex, tensors: List[Tuple[str, torch.Tensor]], base: int
+        self,
+        path: str,
+        stat: os.stat_result,
+        index: _ZipIndex,
+        tensors: List[Tuple[str, torch.Tensor]],
+        base: int,
+        name: Optional[str] = None,
+        copy: Optional[Any] = None,
     ) -> None:
         self.path = path
+        self.name = _redacted(name or path)
+        self.copy = copy
         self._stat = stat
         self.index = index
         self._base = base
@@ -175,10 +187,12 @@ class _ReadCheck:
         Raises:
             RuntimeError: if another file was put at its path since the load.
         """
+        if self.copy is not None:
+            self.copy.ensure(offset, size)
         with open(self.path, "rb", buffering=0) as f:
             if not os.path.samestat(os.fstat(f.fileno()), self._stat):
-                raise RuntimeError(f"{self.path!r} was replaced after it was loaded, before its CRC-32s were checked")
-            return _read_crc(f.fileno(), offset, size, self.path)
+                raise RuntimeError(f"{self.name!r} was replaced after it was loaded, before its CRC-32s were checked")
+            return _read_crc(f.fileno(), offset, size, self.name)
 
     def check_record_of(self, tensor: torch.Tensor) -> None:
         """Check the whole record ``tensor`` lies in, the first time one of its tensors is read (the converter reads
@@ -193,7 +207,7 @@ class _ReadCheck:
         ok, crc = self.matches(record)
         self.pieces[record.name] = [(record.offset, record.size, crc, True)]
         if not ok:
-            raise _corrupt(self.path, [self.describe(record, crc)])
+            raise _corrupt(self.name, [self.describe(record, crc)])
 
     def note_share(self, tensor: torch.Tensor, rank: int, world_size: int) -> None:
         """Note this rank's even share of the record of ``tensor``, which the load marks loaded without reading (a
@@ -301,8 +315,10 @@ def _open_read_check(path: Any, checkpoint: Any) -> Optional[_ReadCheck]:
     """Open the check of ``checkpoint``, just loaded from ``path``, and make :func:`_note_read` see its tensors;
     ``None`` (with an info line saying why) where it cannot be checked, or ``PL_CHECKPOINT_VERIFY=0``. A check left
     open by a load that failed before :func:`_finish_read_check` is dropped (it holds no descriptor)."""
-    _OPEN.clear()
+    while _OPEN:
+        _close_read_check(_OPEN[-1])
     if not _verify_wanted():
+        _drop_local_copies()
         return None
     path = str(path)
     try:
@@ -320,6 +336,17 @@ def _open_read_check(path: Any, checkpoint: Any) -> Optional[_ReadCheck]:
 
 def _new_read_check(path: str, checkpoint: Any) -> Tuple[Optional[_ReadCheck], str]:
     """The check of ``checkpoint`` loaded from ``path``, or ``None`` and why it cannot be checked."""
+    copy = _LOCAL_COPIES.pop(path, None)
+    _drop_local_copies()
+    if copy is not None:
+        try:
+            check, why = _new_local_read_check(copy.path, checkpoint, path, copy)
+        except BaseException:
+            copy.close()
+            raise
+        if check is None:
+            copy.close()
+        return check, why
     try:
         fs, local_path = url_to_fs(path)
     except (ValueError, ImportError):
@@ -329,6 +356,12 @@ def _new_read_check(path: str, checkpoint: Any) -> Tuple[Optional[_ReadCheck], s
         return None, "it is not a local file (only local files are checked)"
     if "://" in path:
         path = local_path  # ``file://...``: read through the plain path
+    return _new_local_read_check(path, checkpoint)
+
+
+def _new_local_read_check(
+    path: str, checkpoint: Any, name: Optional[str] = None, copy: Optional[Any] = None
+) -> Tuple[Optional[_ReadCheck], str]:
     with open(path, "rb", buffering=0) as file:
         stat = os.fstat(file.fileno())
         if not os.path.samestat(stat, os.stat(path)):
@@ -344,13 +377,33 @@ def _new_read_check(path: str, checkpoint: Any) -> Tuple[Optional[_ReadCheck], s
     base = _mapping_base(stat, index, tensors)
     if base is None:
         return None, "its tensors are not memory-mapped"
-    return _ReadCheck(path, stat, index, tensors, base), ""
+    return _ReadCheck(path, stat, index, tensors, base, name, copy), ""
 
 
 def _close_read_check(check: Optional[_ReadCheck]) -> None:
-    """Drop ``check`` without finishing it (its load failed)."""
+    """Drop ``check`` without finishing it (its load failed), and close the local copy it read."""
     if check is not None and check in _OPEN:
         _OPEN.remove(check)
+    if check is not None and check.copy is not None:
+        check.copy.close()
+
+
+#: The local copy of an object in object storage that the load just read (see
+#: :mod:`~pytorch_lightning.utilities.sparse_object_copy`), by the URL the load was given, until its check opens.
+_LOCAL_COPIES: Dict[str, Any] = {}
+
+
+def _hand_local_copy_to_check(url: str, copy: Any) -> None:
+    """Have the next :func:`_open_read_check` of ``url`` check the load's local ``copy`` of it, which it then closes
+    (or closes unchecked, where the check is off or the next load is of another file)."""
+    _drop_local_copies()
+    _LOCAL_COPIES[url] = copy
+
+
+def _drop_local_copies() -> None:
+    for copy in _LOCAL_COPIES.values():
+        copy.close()
+    _LOCAL_COPIES.clear()
 
 
 def _mapping_base(stat: os.stat_result, index: _ZipIndex, tensors: List[Tuple[str, torch.Tensor]]) -> Optional[int]:
@@ -451,7 +504,7 @@ def _finish_read_check(
     finally:
         _close_read_check(check)
     if found:
-        raise _corrupt(check.path, found)
+        raise _corrupt(check.name, found)
 
 
 def _corrupt(path: str, found: List[str]) -> CheckpointError:

@@ -8,6 +8,7 @@ committed and discarded as :func:`~pytorch_lightning.utilities.atomic_save.save_
 import ctypes
 import inspect
 import os
+import shutil
 from contextlib import nullcontext
 from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
@@ -67,15 +68,29 @@ class _StreamedCheckpointFile:
     without waiting for it (``WB_SYNC_NONE``) and drops those already written back, while the kernel's dirty limits
     throttle the writer before the rest pile up, so the page cache stays bounded without waiting for the server.
 
+    A checkpoint for object storage is built in a local scratch file instead (``directory``), whose structure the
+    processes upload with their data (see :mod:`~pytorch_lightning.strategies.fsdp_parallel_upload`): torch writes a
+    skipped tensor's bytes as a hole, so the file takes the room of the structure only. :meth:`commit` then calls
+    ``destination.publish()`` instead of the rename, and :meth:`discard` ``destination.abandon()``.
+
     Args:
-        path: the local path the checkpoint is saved to.
+        path: the local path the checkpoint is saved to (with ``directory``, its URL).
         flush_bytes: how many bytes to write between flushes.
+        directory: the local directory of the scratch file, where the checkpoint goes elsewhere; it is removed with
+            the file.
     """
 
-    def __init__(self, path: _PATH, flush_bytes: int = 64 * 2**20) -> None:
-        # Write through a symlink to its target, as ``atomic_save`` does.
-        self.path = os.path.realpath(str(path))
-        self._dirname = os.path.dirname(self.path)
+    def __init__(self, path: _PATH, flush_bytes: int = 64 * 2**20, directory: Optional[str] = None) -> None:
+        if directory is None:
+            # Write through a symlink to its target, as ``atomic_save`` does.
+            self.path = os.path.realpath(str(path))
+            self._dirname = os.path.dirname(self.path)
+        else:
+            self.path, self._dirname = str(path), directory
+        #: where a scratch file's bytes go (an object with ``publish()`` and ``abandon()``), set once known
+        self.destination: Optional[Any] = None
+        self._crcs_written = False
+        self._scratch = directory is not None
         # decided before the temporary file is made, which an invalid `PL_CHECKPOINT_CHUNK_FSYNC` would leave behind
         #: the mount the file is on (``None`` where the mount table cannot be read), read once per file
         self.mount = _mount_of(self._dirname)
@@ -201,8 +216,13 @@ class _StreamedCheckpointFile:
         """Write the CRC-32 of every record (every byte of it must have been written, here or by the processes whose
         pieces :meth:`add_crcs` added), make the file durable and rename it over ``path``."""
         try:
-            if self.index is not None:
-                _write_record_crcs(self.tmp_path, self.index, _record_crcs(self.index, self._crcs.pieces))
+            self.write_crcs()
+            if self.destination is not None:
+                self.destination.publish()
+                self.destination = None
+                self.discard()
+                self.committed = True
+                return
             os.fsync(self._fd)
             os.replace(self.tmp_path, self.path)
         except BaseException:
@@ -213,16 +233,30 @@ class _StreamedCheckpointFile:
         self.committed = True
         _fsync_directory(self._dirname)
 
+    def write_crcs(self) -> None:
+        """Write the CRC-32 of every record into the file's data descriptors and central directory, once (see
+        :meth:`commit`): before its structure is uploaded, where the file is a scratch file."""
+        if self.index is not None and not self._crcs_written:
+            _write_record_crcs(self.tmp_path, self.index, _record_crcs(self.index, self._crcs.pieces))
+            self._crcs_written = True
+
     def discard(self) -> None:
-        """Remove the temporary file; the file at ``path``, if any, is left as it was."""
-        if self._fd < 0:
-            return
+        """Remove the temporary file (and abandon its destination's upload); the file at ``path``, if any, is left as
+        it was."""
+        destination, self.destination = self.destination, None
         try:
-            os.remove(self.tmp_path)
-        except OSError:
-            pass
-        os.close(self._fd)
-        self._fd = -1
+            if self._fd >= 0:
+                try:
+                    os.remove(self.tmp_path)
+                except OSError:
+                    pass
+                os.close(self._fd)
+                self._fd = -1
+                if self._scratch:
+                    shutil.rmtree(self._dirname, ignore_errors=True)
+        finally:
+            if destination is not None:
+                destination.abandon()
 
 
 def _pwrite_all(fd: int, data: Any, offset: int) -> int:

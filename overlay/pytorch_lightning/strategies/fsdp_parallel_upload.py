@@ -1,0 +1,433 @@
+"""The parallel FSDP save into object storage: one ordinary S3 object, uploaded in parts by every rank.
+
+Global rank 0 writes the checkpoint's structure as the streamed save does, into a local *scratch* file in which every
+tensor of the FSDP units is a hole (it takes the room of the structure only), and starts a multipart upload
+(:mod:`~pytorch_lightning.utilities.multipart_upload`). Every rank then knows, from the shapes alone, which rank holds
+each byte of the object: its own shards of the FSDP parameters and optimizer state (the parallel save's extents, see
+:mod:`.fsdp_parallel_save`), and rank 0 the rest (zip headers, pickle, the tensors outside FSDP, data descriptors,
+central directory).
+
+1. Every rank computes the CRC-32 of its own bytes; rank 0 gathers them (a few integers per piece) and writes the
+   records' CRC-32s into the structure, which is then final.
+2. The object is cut into parts (:func:`~pytorch_lightning.utilities.multipart_upload._part_size`); each part is
+   uploaded by the rank that holds most of its bytes. The ranks go through the parts in rounds: in each round every
+   rank takes its next :data:`PARTS_IN_FLIGHT` parts, receives the bytes of them it does not hold from their holders
+   over the checkpoint group (one message per part and holder), and uploads them concurrently. So a rank holds at
+   most ``PARTS_IN_FLIGHT`` parts of its own, and the bytes it sends to the others for one round.
+3. Once every rank's parts succeeded (the ranks agree, as after a local parallel save), rank 0 gathers their ETags
+   and checksums and completes the upload: the object appears at once. A failure on any rank, or a lost rank, aborts
+   it instead; an earlier object at that URL stays as it was.
+
+The object is the file a local save writes, byte for byte. The hook is the checkpointer's ``save_if_streamed``, for
+a path on an S3 filesystem (s3fs).
+"""
+# fork-feature: fork/object-storage-checkpoints.patch
+import logging
+import os
+import tempfile
+from functools import partial
+from typing import Any, Dict, List, NamedTuple, Optional, TYPE_CHECKING
+
+import torch
+from fsspec import AbstractFileSystem
+
+from pytorch_lightning.strategies.fsdp_async_checkpoint import (
+    _BackgroundSave,
+    _BackgroundWork,
+    _saves_in_background,
+    _start_background_save,
+)
+from pytorch_lightning.strategies.fsdp_async_host_memory import _host_copies_fit, _HostCopies
+from pytorch_lightning.strategies.fsdp_checkpoint_errors import _new_checkpoint_guard
+from pytorch_lightning.strategies.fsdp_lost_writers import _naming_lost_ranks
+from pytorch_lightning.strategies.fsdp_parallel_save import (
+    _Extent,
+    _extents,
+    _optimizer_shards,
+    _own_sources,
+    _record_table,
+    _RecordTable,
+    _send_crcs_to_writer,
+)
+from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
+from pytorch_lightning.utilities.checkpoint_crc import _crc32, _Piece
+from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
+from pytorch_lightning.utilities.checkpoint_location import _prepare_checkpoint_dir, _redacted
+from pytorch_lightning.utilities.cloud_io import get_filesystem
+from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.multipart_upload import _MultipartUpload, _part_size, _UploadedPart
+from pytorch_lightning.utilities.streamed_checkpoint_file import (
+    _committed_if_complete,
+    _memory_of,
+    _StreamedCheckpointFile,
+)
+from pytorch_lightning.utilities.types import _PATH
+
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
+
+log = logging.getLogger(__name__)
+
+#: How many parts of its own a rank assembles and uploads at a time.
+PARTS_IN_FLIGHT = 2
+#: How many bytes of a GPU tensor are copied to the host at a time for their CRC-32.
+_CRC_STAGING_BYTES = 8 * 2**20
+
+
+class _Part(NamedTuple):
+    """Part ``number`` (from 1) of the object: ``nbytes`` bytes at ``offset``, uploaded by global rank ``owner``,
+    made of ``segments`` (by offset; ``source`` ``None``: the structure, from global rank 0's scratch file)."""
+
+    number: int
+    offset: int
+    nbytes: int
+    owner: int
+    segments: List[_Extent]
+
+
+class _UploadPlan(NamedTuple):
+    """What global rank 0 sends every rank with the checkpoint's structure: where the FSDP records lie, the upload
+    and the object's size."""
+
+    table: _RecordTable
+    upload: _MultipartUpload
+    size: int
+
+    def discard(self) -> None:
+        """Nothing to undo here: the scratch file's ``discard`` aborts the upload."""
+
+
+class _ObjectDestination:
+    """Where rank 0's scratch file goes: :meth:`publish` completes the upload with every rank's parts (set in
+    :attr:`parts` once they all succeeded), :meth:`abandon` aborts it."""
+
+    def __init__(self, fs: AbstractFileSystem, upload: _MultipartUpload) -> None:
+        self.fs, self.upload = fs, upload
+        self.parts: List[_UploadedPart] = []
+
+    def publish(self) -> None:
+        self.upload.complete(self.fs, self.parts)
+
+    def abandon(self) -> None:
+        # the save's own failure is what the user needs to see; a failed abort leaves an incomplete upload, which the
+        # bucket's lifecycle rule removes (see docs/faults.md)
+        try:
+            self.upload.abort(self.fs)
+        except Exception as ex:
+            log.warning(f"Could not abort {self.upload} ({type(ex).__name__}); a bucket lifecycle rule removes it.")
+
+
+def _scratch_checkpoint_file(filepath: _PATH) -> _StreamedCheckpointFile:
+    """Global rank 0's scratch file for a checkpoint going to the object at ``filepath``, in a new directory under
+    the system's temporary directory (``TMPDIR``), removed with the file."""
+    return _StreamedCheckpointFile(filepath, directory=tempfile.mkdtemp(prefix="pl-checkpoint-"))
+
+
+def _plan_upload(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, writer: _StreamedCheckpointFile
+) -> _UploadPlan:
+    """On global rank 0, once it wrote the structure into its scratch ``writer``: check the bucket (never created),
+    start the multipart upload, which the writer completes or aborts, and return the :class:`_UploadPlan`.
+
+    Raises:
+        FileNotFoundError: if the bucket does not exist.
+        PermissionError: if the client has no credentials, or they are refused.
+    """
+    fs = get_filesystem(writer.path)
+    _prepare_checkpoint_dir(fs, writer.path)
+    table = _record_table(strategy, stream, writer)
+    size = os.fstat(writer.fileno()).st_size
+    _part_size(size)  # a file S3 cannot take fails here, before any upload is started
+    upload = _MultipartUpload.start(fs, writer.path)
+    writer.destination = _ObjectDestination(fs, upload)
+    return _UploadPlan(table, upload, size)
+
+
+def _upload_units_by_every_rank(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, writer: Optional[_StreamedCheckpointFile]
+) -> None:
+    """Every rank uploads its parts of the object (see the module's docstring), from host copies in its background
+    thread where the save may go to the background and the copies fit; global rank 0 completes the upload once every
+    rank's parts succeeded, or aborts it. Collective."""
+    plan: _UploadPlan = stream.plan
+    if _saves_in_background(strategy) and _host_copies_fit(strategy, stream, writer, gathered=False):
+        return _start_background_save(strategy, writer, partial(_copy_own_uploads, strategy, stream, plan))
+    guard = _new_checkpoint_guard(strategy)
+    with _committed_if_complete(writer):
+        with _naming_lost_ranks(strategy, guard, _save_name(plan)):
+            share = None
+            with guard.catch():
+                share = _own_share(strategy, stream, plan)
+            _upload_share(share, plan, writer, guard, _checkpoint_process_group(strategy))
+        if not guard.failed_ranks and writer is not None:
+            writer.complete = True
+    guard.raise_if_failed()
+
+
+def _copy_own_uploads(
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, plan: _UploadPlan, pool: _HostCopies
+) -> _BackgroundWork:
+    """This rank's share of the upload from host copies of its shards (from ``pool``), and its upload by its
+    background thread over the background group."""
+    share = _own_share(strategy, stream, plan)
+    copies = {source: pool.copy(tensor) for source, tensor in share.sources.items()}
+    share = share._replace(sources=copies)
+
+    def upload(job: _BackgroundSave) -> None:
+        # as in the parallel save: a rank lost in the exchanges is named on every rank by ``wait_for_checkpoint``
+        with _naming_lost_ranks(strategy, job.guard, _save_name(plan), close_group=False):
+            _upload_share(share, plan, job.writer, job.guard, job.group)
+
+    return _BackgroundWork(list(copies.values()), upload)
+
+
+def _save_name(plan: _UploadPlan) -> str:
+    """Names this save in the ranks' arrival marks: the upload's id is new for each save."""
+    return f"{_redacted(plan.upload.url)} ({plan.upload.upload_id})"
+
+
+class _Share(NamedTuple):
+    """What global rank ``rank`` of ``world_size`` uploads: every rank's extents, and this rank's tensors they come
+    from, by source."""
+
+    rank: int
+    world_size: int
+    extents: List[_Extent]
+    sources: Dict[Any, torch.Tensor]
+
+
+def _own_share(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, plan: _UploadPlan) -> _Share:
+    optimizer_shards = list(_optimizer_shards(strategy, stream))
+    extents = _extents(strategy, optimizer_shards, plan.table)
+    sources = _own_sources(strategy, optimizer_shards)
+    return _Share(strategy.global_rank, strategy.world_size, extents, sources)
+
+
+def _upload_share(
+    share: Optional[_Share],
+    plan: _UploadPlan,
+    writer: Optional[_StreamedCheckpointFile],
+    guard: _CollectiveGuard,
+    group: Optional[Any],
+) -> None:
+    """Upload this rank's parts of the object, then, once the ranks agree that all of them succeeded, hand every
+    rank's parts to global rank 0's ``writer``, whose commit completes the upload. ``share`` is ``None`` where this
+    rank failed to compute it. A failure is recorded in ``guard``. Collective over ``group``."""
+    uploaded = _upload_own_parts(share, plan, writer, guard, group)
+    if not guard.settle():
+        parts = _gather_to_rank_zero(uploaded, share.world_size, group)
+        if writer is not None:
+            writer.destination.parts = [part for rank_parts in parts for part in rank_parts]
+
+
+def _upload_own_parts(
+    share: Optional[_Share],
+    plan: _UploadPlan,
+    writer: Optional[_StreamedCheckpointFile],
+    guard: _CollectiveGuard,
+    group: Optional[Any],
+) -> List[_UploadedPart]:
+    """This rank's share of the upload: the CRC-32s of its bytes to rank 0, then its parts, round by round; returns
+    what completing the upload needs of them. A failure is recorded in ``guard``."""
+    parts: List[_Part] = []
+    sources: Dict[Any, torch.Tensor] = {}
+    pieces: List[_Piece] = []
+    if share is not None:
+        with guard.catch():
+            sources = {s: t.detach().reshape(-1).view(torch.uint8) for s, t in share.sources.items()}
+            pieces = [
+                (e.offset, e.nbytes, _crc_of(sources[e.source], e.at, e.nbytes))
+                for e in share.extents
+                if e.rank == share.rank
+            ]
+            parts = _parts(plan.size, _part_size(plan.size), _cover(share.extents, plan.size))
+    if not guard.agree():
+        return []
+    _send_crcs_to_writer(pieces, writer, group)
+    with guard.catch():
+        if writer is not None:
+            writer.write_crcs()
+    fs = get_filesystem(plan.upload.url)
+    fd = -1
+    with guard.catch():
+        # the writer's own descriptor is write-only
+        fd = os.open(writer.tmp_path, os.O_RDONLY) if writer is not None else -1
+    try:
+        uploaded: List[_UploadedPart] = []
+        for round_parts in _rounds(parts, share.world_size if share is not None else 1):
+            if not guard.agree():
+                return []
+            exchange = None
+            with guard.catch():
+                exchange = _RoundExchange.prepare(share.rank, round_parts, sources, fd)
+            if not guard.agree():
+                return []
+            with guard.catch():
+                exchange.run(group)
+                uploaded += plan.upload.upload(fs, exchange.bodies())
+        return uploaded
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _crc_of(data: torch.Tensor, at: int, nbytes: int) -> int:
+    """The CRC-32 of bytes ``at`` to ``at + nbytes`` of the flat byte tensor ``data`` (a GPU one in host-sized
+    steps)."""
+    if data.device.type == "cpu":
+        return _crc32(_as_buffer(data[at : at + nbytes]))
+    value = 0
+    for start in range(at, at + nbytes, _CRC_STAGING_BYTES):
+        value = _crc32(_as_buffer(data[start : min(start + _CRC_STAGING_BYTES, at + nbytes)].cpu()), value)
+    return value
+
+
+def _as_buffer(data: torch.Tensor) -> memoryview:
+    return _memory_of(data.data_ptr(), data.numel())
+
+
+def _cover(extents: List[_Extent], size: int) -> List[_Extent]:
+    """``extents`` (by offset) with the gaps between them, global rank 0's structure (``source`` ``None``): every
+    byte of the object of ``size`` bytes, once."""
+    cover, position = [], 0
+    for extent in extents:
+        if extent.offset > position:
+            cover.append(_Extent(position, extent.offset - position, 0, None, position))
+        if extent.nbytes:
+            cover.append(extent)
+        position = max(position, extent.offset + extent.nbytes)
+    if position < size:
+        cover.append(_Extent(position, size - position, 0, None, position))
+    return cover
+
+
+def _parts(size: int, part_bytes: int, cover: List[_Extent]) -> List[_Part]:
+    """The parts of ``part_bytes`` (the last one shorter) of the object of ``size`` bytes that ``cover`` covers,
+    each with its segments and the rank holding most of its bytes as its owner (the lowest of equals)."""
+    segments: List[List[_Extent]] = [[] for _ in range(max(1, -(-size // part_bytes)))]
+    for extent in cover:
+        end = extent.offset + extent.nbytes
+        position = extent.offset
+        while position < end:
+            index = position // part_bytes
+            cut = min(end, (index + 1) * part_bytes)
+            segments[index].append(
+                extent._replace(offset=position, nbytes=cut - position, at=extent.at + position - extent.offset)
+            )
+            position = cut
+    parts = []
+    for index, part_segments in enumerate(segments):
+        held: Dict[int, int] = {}
+        for segment in part_segments:
+            held[segment.rank] = held.get(segment.rank, 0) + segment.nbytes
+        owner = min(held, key=lambda rank: (-held[rank], rank)) if held else 0
+        offset = index * part_bytes
+        parts.append(_Part(index + 1, offset, min(part_bytes, size - offset), owner, part_segments))
+    return parts
+
+
+def _rounds(parts: List[_Part], world_size: int) -> List[List[_Part]]:
+    """The parts in rounds: round ``k`` holds every rank's owned parts ``k * PARTS_IN_FLIGHT`` onwards, at most
+    :data:`PARTS_IN_FLIGHT` of them. The same on every rank."""
+    owned: List[List[_Part]] = [[] for _ in range(world_size)]
+    for part in parts:
+        owned[part.owner].append(part)
+    count = max((-(-len(own) // PARTS_IN_FLIGHT) for own in owned), default=0)
+    return [
+        [part for own in owned for part in own[k * PARTS_IN_FLIGHT : (k + 1) * PARTS_IN_FLIGHT]] for k in range(count)
+    ]
+
+
+class _RoundExchange(NamedTuple):
+    """One round of one rank: the bodies of the parts it uploads (its own bytes in place), the messages it sends to
+    the owners of the other parts of the round, and the buffers it receives their holders' bytes into."""
+
+    rank: int
+    own: List[_Part]
+    buffers: Dict[int, bytearray]
+    outgoing: List[Any]
+    incoming: List[Any]
+
+    @classmethod
+    def prepare(
+        cls, rank: int, parts: List[_Part], sources: Dict[Any, torch.Tensor], fd: int
+    ) -> "_RoundExchange":
+        """Allocate the round's bodies and buffers and copy this rank's own bytes: local work, which may fail (out
+        of memory) before any rank enters the exchange."""
+        own = [part for part in parts if part.owner == rank]
+        buffers = {part.number: bytearray(part.nbytes) for part in own}
+        outgoing, incoming = [], []
+        for part in parts:
+            if part.owner == rank:
+                body = torch.frombuffer(buffers[part.number], dtype=torch.uint8)
+                for segment in part.segments:
+                    lo = segment.offset - part.offset
+                    if segment.rank == rank:
+                        _copy_segment(body[lo : lo + segment.nbytes], segment, sources, fd)
+                by_holder: Dict[int, List[_Extent]] = {}
+                for segment in part.segments:
+                    if segment.rank != rank:
+                        by_holder.setdefault(segment.rank, []).append(segment)
+                for holder, segments in by_holder.items():
+                    buffer = torch.empty(sum(s.nbytes for s in segments), dtype=torch.uint8)
+                    incoming.append((part, holder, segments, buffer))
+            else:
+                mine = [segment for segment in part.segments if segment.rank == rank]
+                if mine:
+                    message = torch.empty(sum(s.nbytes for s in mine), dtype=torch.uint8)
+                    position = 0
+                    for segment in mine:
+                        _copy_segment(message[position : position + segment.nbytes], segment, sources, fd)
+                        position += segment.nbytes
+                    outgoing.append((part, message))
+        return cls(rank, own, buffers, outgoing, incoming)
+
+    def run(self, group: Optional[Any]) -> None:
+        """Send and receive the round's messages over ``group`` (tagged with the part's number) and put what was
+        received in place. Collective between the ranks that share a part."""
+        requests = [
+            torch.distributed.isend(message, part.owner, group=group, tag=part.number)
+            for part, message in self.outgoing
+        ]
+        requests += [
+            torch.distributed.irecv(buffer, holder, group=group, tag=part.number)
+            for part, holder, _, buffer in self.incoming
+        ]
+        for request in requests:
+            request.wait()
+        for part, _, segments, buffer in self.incoming:
+            body = torch.frombuffer(self.buffers[part.number], dtype=torch.uint8)
+            position = 0
+            for segment in segments:
+                lo = segment.offset - part.offset
+                body[lo : lo + segment.nbytes].copy_(buffer[position : position + segment.nbytes])
+                position += segment.nbytes
+
+    def bodies(self) -> List[Any]:
+        """The round's parts of this rank: their numbers and bodies."""
+        return [(part.number, self.buffers[part.number]) for part in self.own]
+
+
+def _copy_segment(out: torch.Tensor, segment: _Extent, sources: Dict[Any, torch.Tensor], fd: int) -> None:
+    """Copy the bytes of ``segment``, which this rank holds, into the byte tensor ``out``: from a source tensor, or
+    from the scratch file (the structure, on global rank 0)."""
+    if segment.source is not None:
+        out.copy_(sources[segment.source][segment.at : segment.at + segment.nbytes])
+        return
+    view = _as_buffer(out)
+    position = 0
+    while position < segment.nbytes:
+        read = os.preadv(fd, [view[position:]], segment.at + position)
+        if read <= 0:
+            raise EOFError(f"the scratch file ends before byte {segment.at + position}")
+        position += read
+
+
+def _gather_to_rank_zero(value: Any, world_size: int, group: Optional[Any]) -> List[Any]:
+    """Every rank's ``value`` on global rank 0 (``[]`` on the others). Collective over ``group``."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    is_zero = torch.distributed.get_rank() == 0
+    gathered: Optional[List[Any]] = [None] * world_size if is_zero else None
+    torch.distributed.gather_object(value, gathered, dst=0, group=group)
+    return gathered or []
