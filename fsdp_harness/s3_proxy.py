@@ -526,6 +526,12 @@ class S3Proxy:
     def __init__(self, process: subprocess.Popen, port: int, upstream: str, log_path: Path) -> None:
         self.process, self.port, self.upstream, self.log_path = process, port, upstream, log_path
 
+    @classmethod
+    def at(cls, endpoint: str) -> "S3Proxy":
+        """The proxy at ``endpoint``, from a process that did not start it (a rank reading its own proxy's counts or
+        setting its faults): its counts, log and faults, not :meth:`stop`."""
+        return cls(None, int(endpoint.rsplit(":", 1)[1]), "", Path())
+
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"

@@ -13,24 +13,32 @@ from fsdp_harness.multiprocess import free_port
 _LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
 _SCONTROL = '''#!{python}
-"""Fake ``scontrol``: appends its arguments and what the newest ``hpc_ckpt_<N>.ckpt`` of ``$FAKE_SCONTROL_DIR``
-holds at the moment it runs to ``$FAKE_SCONTROL_DIR/scontrol.jsonl``."""
+"""Fake ``scontrol``: appends its arguments and what the newest ``hpc_ckpt_<N>.ckpt`` of ``$FAKE_SCONTROL_DIR`` (a
+folder, or an fsspec URL such as ``s3://bucket/run``) holds at the moment it runs to ``scontrol.jsonl`` in
+``$FAKE_SCONTROL_LOG`` (by default that folder)."""
 import hashlib, json, os, re, sys, time
 
+import fsspec
+
 folder = os.environ["FAKE_SCONTROL_DIR"]
-# the listing first, before anything slow: what is on disk when the job would be requeued
-names = sorted(os.listdir(folder))
+fs, root = fsspec.core.url_to_fs(folder)
+fs.invalidate_cache()
+# the listing first, before anything slow: what is stored when the job would be requeued
+names = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(root, detail=False))
 record = {{"argv": sys.argv[1:], "files": names, "time": time.time()}}
 versions = sorted(int(m.group(1)) for m in map(re.compile(r"hpc_ckpt_(\\d+)\\.ckpt").fullmatch, names) if m)
 if versions:
-    path = os.path.join(folder, f"hpc_ckpt_{{versions[-1]}}.ckpt")
+    path = root.rstrip("/") + f"/hpc_ckpt_{{versions[-1]}}.ckpt"
     record["newest"] = os.path.basename(path)
-    with open(path, "rb") as f:
-        record["sha256"] = hashlib.sha256(f.read()).hexdigest()
+    with fs.open(path, "rb") as f:
+        data = f.read()
+    record["sha256"] = hashlib.sha256(data).hexdigest()
     try:
+        import io
+
         import torch
 
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         record.update(
             loads=True,
             keys=sorted(checkpoint),
@@ -40,7 +48,7 @@ if versions:
         )
     except Exception as error:
         record.update(loads=False, error=repr(error))
-with open(os.path.join(folder, "scontrol.jsonl"), "a") as f:
+with open(os.path.join(os.environ.get("FAKE_SCONTROL_LOG", folder), "scontrol.jsonl"), "a") as f:
     f.write(json.dumps(record) + "\\n")
 '''
 

@@ -1,0 +1,275 @@
+"""Multi-process scenarios of FSDP checkpoints in object storage (S3, through s3fs), run as
+``python -m tests.strategies.fsdp_object_storage_scenarios``; driven by ``test_ddp_fully_sharded_object_storage.py``
+against a real S3 server process with a proxy per rank (``S3_HARNESS_RANK_ENDPOINTS``, see
+``fsdp_harness/s3_server.py``). Each rank reads its own proxy's byte counts around each step, and sets its faults.
+"""
+import argparse
+import os
+import threading
+import uuid
+import zipfile
+from contextlib import contextmanager, nullcontext
+from typing import Any, Dict, Iterator, List
+from unittest import mock
+
+import fsspec
+import torch
+
+from fsdp_harness.models import FSDPModel, full_parameters
+from fsdp_harness.s3_proxy import S3Proxy, internal_error, reset_part, slow_down
+from fsdp_harness.s3_server import boto3_client, use_rank_endpoint
+from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
+from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.utilities.exceptions import CheckpointError
+from pytorch_lightning.utilities.multipart_upload import _MultipartUpload
+from tests.strategies.fsdp_stream_scenarios import default_strategy, differences, load
+from tests.trainer.connectors.slurm_requeue_scenarios import BATCHES, RecordRestored, SIGNALLED_BATCH, Signaller
+
+FAULTS = {
+    "internal_error": lambda: internal_error(),
+    "slow_down": lambda: slow_down(times=2),
+    "reset": lambda: reset_part(after_bytes=2**20),
+}
+
+
+def _model(args: argparse.Namespace) -> FSDPModel:
+    return FSDPModel(
+        width=args.width, units=3, extra_before=True, extra_after=True, optimizer=args.optimizer, scheduler=True
+    )
+
+
+def _trainer(args: argparse.Namespace, **kwargs: Any) -> Trainer:
+    options = dict(strategy=default_strategy(), max_steps=2, limit_val_batches=0)
+    return Trainer(**quiet_trainer_kwargs(args.out, args.devices, **{**options, **kwargs}))
+
+
+def _proxy() -> S3Proxy:
+    endpoint = use_rank_endpoint(global_rank())
+    assert endpoint is not None, "the ranks need S3_HARNESS_RANK_ENDPOINTS"
+    return S3Proxy.at(endpoint)
+
+
+@contextmanager
+def _counted(proxy: S3Proxy, into: Dict[str, Any]) -> Iterator[None]:
+    """The bytes this rank sent to (``sent``) and received from (``received``) the server within the block, by
+    operation."""
+    before = proxy.counts()["by_op"]
+    yield
+    after = proxy.counts()["by_op"]
+    for op, count in after.items():
+        old = before.get(op, {})
+        into[op] = {key: count[key] - old.get(key, 0) for key in ("requests", "sent", "received")}
+
+
+def _bucket_and_key(url: str) -> List[str]:
+    return url[len("s3://") :].split("/", 1)
+
+
+def _uploads_in_progress(url: str) -> List[str]:
+    bucket, key = _bucket_and_key(url)
+    answer = boto3_client(S3Proxy.at(use_rank_endpoint(0)).endpoint).list_multipart_uploads(Bucket=bucket, Prefix=key)
+    return [upload["Key"] for upload in answer.get("Uploads", [])]
+
+
+def upload_equals_local(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fit, save into ``args.url`` and into a local file; global rank 0 downloads the object and compares it with
+    the local file, byte for byte and tensor by tensor, and checks its CRC-32s (``zipfile``)."""
+    proxy = _proxy()
+    seed_everything(7)
+    trainer = _trainer(args)
+    trainer.fit(_model(args))
+    url = f"{args.url}/upload.ckpt"
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "save": {}}
+    with _counted(proxy, result["save"]):
+        trainer.save_checkpoint(url)
+    result["reason"] = trainer.strategy._checkpoint_state.last_stream_reason
+    local = args.out / "local.ckpt"
+    trainer.save_checkpoint(local)
+    if trainer.global_rank == 0:
+        downloaded = args.out / "downloaded.ckpt"
+        with fsspec.open(url, "rb") as source:
+            downloaded.write_bytes(source.read())
+        result["same_bytes"] = downloaded.read_bytes() == local.read_bytes()
+        result["size"] = downloaded.stat().st_size
+        result["differences"] = differences(load(str(downloaded)), load(str(local)))
+        with zipfile.ZipFile(downloaded) as archive:
+            result["testzip"] = archive.testzip()
+        result["plain_torch_load"] = len(torch.load(downloaded, weights_only=False)["state_dict"])
+        result["uploads_in_progress"] = _uploads_in_progress(url)
+        # a copy with one flipped bit in the middle of its largest tensor record, for ``resume_corrupt``
+        with zipfile.ZipFile(downloaded) as archive:
+            largest = max(archive.infolist(), key=lambda info: info.file_size)
+        data = bytearray(downloaded.read_bytes())
+        data[largest.header_offset + 200 + largest.file_size // 2] ^= 0x10
+        fsspec.filesystem("s3").pipe_file(f"{args.url}/corrupt.ckpt", bytes(data))
+    return result
+
+
+def resume_corrupt(args: argparse.Namespace) -> Dict[str, Any]:
+    """Resume from the object ``args.ckpt``, which has a flipped bit: what every rank raises."""
+    _proxy()
+    trainer = _trainer(args, max_steps=4)
+    try:
+        trainer.fit(_model(args), ckpt_path=args.ckpt)
+    except CheckpointError as ex:
+        return {"rank": trainer.global_rank, "error": str(ex), "global_step": trainer.global_step}
+    return {"rank": trainer.global_rank, "error": None, "global_step": trainer.global_step}
+
+
+def resume_from_object(args: argparse.Namespace) -> Dict[str, Any]:
+    """Resume from the object ``args.ckpt`` and from the local file ``args.local`` (the same checkpoint), train 2
+    more steps each; every rank compares the full parameters of the two runs."""
+    proxy = _proxy()
+    finals = []
+    counts: Dict[str, Any] = {}
+    for path in (args.ckpt, args.local):
+        seed_everything(11)
+        model = _model(args)
+        trainer = _trainer(args, max_steps=4)
+        with _counted(proxy, counts) if path == args.ckpt else nullcontext():
+            trainer.fit(model, ckpt_path=path)
+        finals.append({k: v.clone() for k, v in full_parameters(model).items()})
+        step = trainer.global_step
+    return {
+        "rank": trainer.global_rank,
+        "global_step": step,
+        "differences": differences(finals[0], finals[1]),
+        "load": counts,
+    }
+
+
+def upload_fault(args: argparse.Namespace) -> Dict[str, Any]:
+    """Save into ``args.url``, then save over it while global rank ``args.fault_rank``'s proxy injects
+    ``args.fault``; record what every rank raised, and on rank 0 whether the object changed and whether an
+    upload was left."""
+    proxy = _proxy()
+    seed_everything(5)
+    trainer = _trainer(args)
+    trainer.fit(_model(args))
+    url = f"{args.url}/fault-{args.fault}.ckpt"
+    trainer.save_checkpoint(url)
+    before = fsspec.open(url, "rb").open().read() if trainer.global_rank == 0 else b""
+    # a change that must not reach the object where the save fails
+    with torch.no_grad():
+        for parameter in trainer.lightning_module.parameters():
+            parameter.add_(1.0)
+    if trainer.global_rank == args.fault_rank:
+        proxy.set_faults([FAULTS[args.fault]()])
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "error": None}
+    try:
+        trainer.save_checkpoint(url)
+    except CheckpointError as ex:
+        result["error"] = str(ex)
+    finally:
+        if trainer.global_rank == args.fault_rank:
+            result["fired"] = sum(fault["fired"] for fault in proxy.faults())
+            proxy.set_faults([])
+    if trainer.global_rank == 0:
+        fs = fsspec.filesystem("s3")
+        fs.invalidate_cache()
+        after = fs.cat_file(url)
+        result["unchanged"] = after == before
+        result["uploads_in_progress"] = _uploads_in_progress(url)
+    return result
+
+
+def checkpoint_callback(args: argparse.Namespace) -> Dict[str, Any]:
+    """``ModelCheckpoint`` into ``args.url`` every step, ``save_top_k=2`` by step and ``save_last=True``, saving in
+    the background where ``args.async_checkpoint``: which objects are left, which threads uploaded the parts, and on
+    every rank whether ``last.ckpt`` holds the final parameters."""
+    _proxy()
+    threads: List[str] = []
+    upload = _MultipartUpload.upload
+
+    def recording_upload(self: _MultipartUpload, *a: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return upload(self, *a, **kw)
+
+    seed_everything(13)
+    model = _model(args)
+    directory = f"{args.url}/callback-{'async' if args.async_checkpoint else 'sync'}"
+    callback = ModelCheckpoint(
+        dirpath=directory, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True
+    )
+    strategy = default_strategy(async_checkpoint=args.async_checkpoint)
+    trainer = _trainer(args, strategy=strategy, max_steps=4, callbacks=[callback], enable_checkpointing=True)
+    # a directory with an object in it: ``ModelCheckpoint`` lists it at the start (s3fs caches that listing)
+    fsspec.filesystem("s3").pipe_file(f"{directory}/notes.txt", b"notes")
+    with mock.patch.object(_MultipartUpload, "upload", recording_upload):
+        trainer.fit(model)
+    final = full_parameters(model)
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    last = torch.load(fs.open(f"{directory}/last.ckpt", "rb"), weights_only=False, map_location="cpu")["state_dict"]
+    return {
+        "rank": trainer.global_rank,
+        "objects": sorted(path.rsplit("/", 1)[1] for path in fs.ls(directory)),
+        "best_k": sorted(path.rsplit("/", 1)[1] for path in callback.best_k_models),
+        "threads": sorted(set(threads)),
+        "last_differences": differences({k: last[k] for k in final}, final),
+    }
+
+
+def slurm_requeue(args: argparse.Namespace) -> Dict[str, Any]:
+    """A Slurm job (every rank a task of a fake ``srun``) whose root directory is ``args.url``: ``SIGUSR1`` inside a
+    backward pass saves the HPC checkpoint there (in the background, ``async_checkpoint=True``) and requeues the job
+    (the fake ``scontrol`` records what the bucket holds then); a second fit in the same root resumes from it."""
+    os.environ["FAKE_SCONTROL_DIR"] = root = f"{args.url}/slurm"
+    os.environ["FAKE_SCONTROL_LOG"] = str(args.out)
+    (args.out / "pids").mkdir(parents=True, exist_ok=True)
+    (args.out / "pids" / f"task{os.environ['SLURM_PROCID']}").write_text(str(os.getpid()))
+    _proxy()
+    fits = []
+    for seed, signaller in ((1, Signaller(args.out, in_batch=SIGNALLED_BATCH)), (2, Signaller(args.out))):
+        seed_everything(seed)
+        restored = RecordRestored()
+        strategy = default_strategy(async_checkpoint=True)
+        options = dict(default_root_dir=root, callbacks=[signaller, restored], max_steps=-1, max_epochs=seed)
+        trainer = _trainer(args, strategy=strategy, **options)
+        trainer.fit(FSDPModel(width=16, units=3, batches=BATCHES))
+        fits.append({"received": len(signaller.received), "start_step": restored.step, "end": trainer.global_step})
+    return {"rank": trainer.global_rank, "fits": fits}
+
+
+def missing_bucket(args: argparse.Namespace) -> Dict[str, Any]:
+    """Save into a bucket that does not exist: what every rank raises, and whether the bucket appeared."""
+    _proxy()
+    trainer = _trainer(args)
+    trainer.fit(_model(args))
+    bucket = f"missing-{uuid.uuid4().hex[:12]}"
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "error": None}
+    try:
+        trainer.save_checkpoint(f"s3://{bucket}/run/a.ckpt")
+    except CheckpointError as ex:
+        result["error"] = str(ex)
+    if trainer.global_rank == 0:
+        names = [b["Name"] for b in boto3_client(S3Proxy.at(use_rank_endpoint(0)).endpoint).list_buckets()["Buckets"]]
+        result["bucket_created"] = bucket in names
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="")
+    parser.add_argument("--ckpt", default="")
+    parser.add_argument("--local", default="")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--fault", choices=sorted(FAULTS), default="internal_error")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--async-checkpoint", action="store_true")
+
+
+if __name__ == "__main__":
+    main(
+        {
+            "upload_equals_local": upload_equals_local,
+            "resume_from_object": resume_from_object,
+            "resume_corrupt": resume_corrupt,
+            "upload_fault": upload_fault,
+            "missing_bucket": missing_bucket,
+            "checkpoint_callback": checkpoint_callback,
+            "slurm_requeue": slurm_requeue,
+        },
+        add_arguments,
+    )

@@ -1,0 +1,178 @@
+"""FSDP checkpoints in object storage (``s3://``): every rank uploads its own parts of one ordinary object (a
+multipart upload that global rank 0 starts and completes), which is the file a local save writes, byte for byte.
+
+Against a real S3 server process (moto's) with a fault-injecting, byte-counting proxy per rank
+(``fsdp_harness/s3_server.py``, ``fsdp_harness/s3_proxy.py``); the ranks are real FairScale FSDP processes on CPU
+(``fsdp_object_storage_scenarios.py``), in two launches: 2 ranks, then 1 rank resuming the 2-rank object. The model's
+file is about 25 MB, 5 parts of 5 MiB (``PL_CHECKPOINT_PART_BYTES``), so both ranks upload parts.
+"""
+import json
+from typing import Dict, Iterator, List
+
+import pytest
+
+from fsdp_harness.multiprocess import assert_success, run_tasks
+from fsdp_harness.runner import ScenarioBatches
+from fsdp_harness.s3_proxy import S3Proxy, start_proxy
+from fsdp_harness.s3_server import apply_env, make_bucket, rank_endpoints_env
+from fsdp_harness.scenario import read_results
+from tests.helpers.fake_slurm import install_fake_scontrol, slurm_task_envs
+from tests.helpers.runif import RunIf
+from tests.strategies.fsdp_async_scenarios import WRITER_THREAD
+from tests.trainer.connectors.slurm_requeue_scenarios import SIGNALLED_BATCH
+
+pytest_plugins = ["tests.helpers.s3"]
+
+SCENARIOS = "tests.strategies.fsdp_object_storage_scenarios"
+PART_BYTES = 5 * 2**20
+#: two attempts per request, so that a part refused every time fails in seconds
+ENV = {"PL_CHECKPOINT_PART_BYTES": str(PART_BYTES), "PL_CHECKPOINT_TIMEOUT": "60"}
+BATCHES = {"two": (2, 300), "one": (1, 150)}
+BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
+#: the faults of one rank's uploads, and whether the save survives them (the client retries)
+FAULTS = {"internal_error": False, "slow_down": True, "reset": True}
+
+
+@pytest.fixture(scope="module")
+def proxies(s3_server) -> Iterator[List[S3Proxy]]:
+    started = [start_proxy(s3_server.endpoint, []) for _ in range(2)]
+    yield started
+    for proxy in started:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, s3_server, proxies) -> Iterator[ScenarioBatches]:
+    bucket = make_bucket(s3_server.endpoint)
+    env = apply_env({**rank_endpoints_env([p.endpoint for p in proxies], max_attempts=2), **ENV})
+    batches = ScenarioBatches(SCENARIOS, tmp_path_factory.mktemp("object-storage"))
+    for name, (devices, timeout) in BATCHES.items():
+        batches.batch(name, devices, timeout, env)
+    url = f"s3://{bucket}/run"
+    saved = batches.batch("two", 2).add("upload", "upload_equals_local", "--url", url)
+    resume = ["--ckpt", f"{url}/upload.ckpt", "--local", saved / "local.ckpt"]
+    for name, (devices, _) in BATCHES.items():
+        batches.batch(name, devices).add(f"resume-2-{devices}", "resume_from_object", *resume)
+    batches.batch("two", 2).add("resume_corrupt", "resume_corrupt", "--ckpt", f"{url}/corrupt.ckpt")
+    for fault in FAULTS:
+        batches.batch("two", 2).add(f"fault-{fault}", "upload_fault", "--url", url, "--fault", fault)
+    batches.batch("two", 2).add("missing_bucket", "missing_bucket")
+    for mode in ("sync", "async"):
+        flag = ["--async-checkpoint"] if mode == "async" else []
+        batches.batch("two", 2).add(f"callback-{mode}", "checkpoint_callback", "--url", url, *flag)
+    yield batches
+
+
+def _sent(record: Dict, op: str = "UploadPart") -> int:
+    return record["save"].get(op, {}).get("sent", 0)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_every_rank_uploads_its_parts_of_the_file_a_local_save_writes(runs):
+    records = runs.batch("two", 2).results("upload")
+    zero = records[0]
+    assert zero["reason"] is None, zero["reason"]  # streamed, not gathered
+    assert zero["same_bytes"] and zero["differences"] == []
+    assert zero["testzip"] is None and zero["plain_torch_load"] == 8
+    assert zero["uploads_in_progress"] == []
+    size = zero["size"]
+    uploaded = [_sent(record) for record in records]
+    assert sum(uploaded) == size
+    # every rank uploads its share, to a part: the gathered save uploads everything from rank 0
+    assert all(0 < sent <= size / 2 + PART_BYTES for sent in uploaded), uploaded
+    # only rank 0 starts and completes the upload; no rank reads the object back
+    assert [record["save"].get("CompleteMultipartUpload", {}).get("requests", 0) for record in records] == [1, 0]
+    assert all(op in ("UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload", "HeadBucket")
+               for record in records for op in record["save"]), [list(r["save"]) for r in records]
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("devices", [2, 1])
+def test_the_object_resumes_exactly(runs, devices):
+    """Resumed on 2 ranks and on 1, training goes on as from the local file; each rank fetches its share of the
+    object in ranged GETs (at 1 rank, the whole of it)."""
+    name = "two" if devices == 2 else "one"
+    records = runs.batch(name, devices).results(f"resume-2-{devices}")
+    for record in records:
+        assert record["global_step"] == 4
+        assert record["differences"] == [], record["differences"]
+    size = runs.batch("two", 2).results("upload")[0]["size"]
+    received = [sum(count["received"] for count in record["load"].values()) for record in records]
+    # ranged GETs only, each rank its share: before, every rank downloaded the whole object
+    assert all(op in ("GetObjectRange", "HeadObject") for r in records for op, c in r["load"].items() if c["requests"])
+    for got in received:
+        assert size / devices * 0.9 < got <= size / devices * 1.1, (received, size)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_a_flipped_bit_in_the_object_fails_the_resume_on_every_rank(runs):
+    """The ranks' CRC-32 check reads their local copies of the object: a flipped bit in a tensor record raises
+    ``CheckpointError`` on every rank, naming the URL, before a step runs."""
+    records = runs.batch("two", 2).results("resume_corrupt")
+    for record in records:
+        assert record["error"] is not None and "is corrupt" in record["error"], record["error"]
+        assert "corrupt.ckpt" in record["error"] and "/proc/" not in record["error"], record["error"]
+        assert record["global_step"] == 2  # as restored: no step ran (fit goes to 4)
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_rank_whose_uploads_fail(runs, fault):
+    """A part refused every time (HTTP 500 after the client's retries) fails the save on every rank, naming rank 1;
+    the upload is aborted and the previous object stays. A throttled rank (503 ``SlowDown`` twice) and a connection
+    reset mid-part are retried by the client, and the save completes."""
+    records = runs.batch("two", 2).results(f"fault-{fault}")
+    assert records[1]["fired"] >= 1
+    if FAULTS[fault]:
+        assert [record["error"] for record in records] == [None, None]
+        assert records[0]["unchanged"] is False
+    else:
+        for record in records:
+            assert record["error"] is not None and "global rank 1" in record["error"], record["error"]
+        assert "internal error" in records[1]["error"], records[1]["error"]
+        assert records[0]["unchanged"] is True
+    assert records[0]["uploads_in_progress"] == []
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_a_missing_bucket_fails_on_every_rank_and_is_not_created(runs):
+    records = runs.batch("two", 2).results("missing_bucket")
+    for record in records:
+        assert record["error"] is not None and "does not exist" in record["error"], record["error"]
+    assert records[0]["bucket_created"] is False
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_model_checkpoint_keeps_the_top_k_and_last_in_the_bucket(runs, mode):
+    """``ModelCheckpoint(save_top_k=2, save_last=True)`` every step: the two best and ``last.ckpt`` are left, the
+    others removed (the fork's commits forget s3fs's cached listing, which the removals read); ``last.ckpt`` holds
+    the final parameters. With ``async_checkpoint=True`` the parts are uploaded by the ranks' background threads."""
+    records = runs.batch("two", 2).results(f"callback-{mode}")
+    for record in records:
+        expected = ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "last.ckpt", "notes.txt"]
+        assert record["objects"] == expected, record["objects"]
+        assert record["last_differences"] == [], record["last_differences"]
+        assert record["threads"] == ([WRITER_THREAD] if mode == "async" else ["MainThread"]), record["threads"]
+
+
+@RunIf(skip_windows=True)
+@pytest.mark.timeout(300)
+def test_slurm_requeues_once_the_hpc_checkpoint_is_in_the_bucket(tmp_path, s3_server, proxies):
+    """``SIGUSR1`` to both tasks of a Slurm job whose root is in the bucket: the HPC checkpoint saved in the
+    background is uploaded and complete when ``scontrol requeue`` runs, and the next fit in that root resumes from
+    it (Lightning lists the bucket to find it)."""
+    bucket = make_bucket(s3_server.endpoint)
+    install_fake_scontrol(tmp_path / "bin")
+    endpoints = apply_env(rank_endpoints_env([p.endpoint for p in proxies], max_attempts=2), {})
+    envs = [{**env, **endpoints, **ENV} for env in slurm_task_envs(2, 4343, tmp_path / "bin")]
+    argv = ["slurm_requeue", "--out", str(tmp_path / "out"), "--url", f"s3://{bucket}/run"]
+    assert_success(run_tasks(SCENARIOS, argv, envs, timeout=240))
+    records = read_results(tmp_path / "out", 2)
+    requeues = [json.loads(line) for line in (tmp_path / "out" / "scontrol.jsonl").read_text().splitlines()]
+    assert len(requeues) == 1, requeues
+    assert requeues[0]["argv"] == ["requeue", "4343"] and requeues[0]["newest"] == "hpc_ckpt_1.ckpt", requeues
+    assert requeues[0]["loads"] and requeues[0]["global_step"] == SIGNALLED_BATCH + 1, requeues
+    for record in records:
+        first, second = record["fits"]
+        assert first["received"] == 1 and second["start_step"] == SIGNALLED_BATCH + 1, record
