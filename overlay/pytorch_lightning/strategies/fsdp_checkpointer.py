@@ -8,7 +8,8 @@ explicitly:
 - :mod:`.fsdp_stream_decision`: whether a save streams, and its placeholders;
 - :mod:`.fsdp_streaming_save`: the streamed save (structure, then unit by unit);
 - :mod:`.fsdp_parallel_save`: the streamed save's units written by every rank into the one file;
-- :mod:`.fsdp_parallel_upload`: the same into one object in S3, uploaded in parts by every rank;
+- :mod:`.fsdp_parallel_upload`: the same into one object in S3, uploaded in parts by every rank (the kinds of
+  storage: :mod:`~pytorch_lightning.utilities.checkpoint_storage`);
 - :mod:`.fsdp_async_checkpoint`: the streamed save's units written in the background, the save in flight;
 - :mod:`.fsdp_optimizer_state`: the consolidated optimizer state (save, re-shard on load);
 - :mod:`.fsdp_restore`: the load into the sharded model;
@@ -42,11 +43,7 @@ from pytorch_lightning.strategies.fsdp_checkpoint_errors import (
 from pytorch_lightning.strategies.fsdp_checkpoint_state import _FSDPCheckpointState, _SaveSession
 from pytorch_lightning.strategies.fsdp_introspection import _fsdp_instances
 from pytorch_lightning.strategies.fsdp_parallel_save import _plan_own_writes, _write_units_by_every_rank
-from pytorch_lightning.strategies.fsdp_parallel_upload import (
-    _plan_upload,
-    _scratch_checkpoint_file,
-    _upload_units_by_every_rank,
-)
+from pytorch_lightning.strategies.fsdp_parallel_upload import _plan_upload, _upload_units_by_every_rank
 from pytorch_lightning.strategies.fsdp_optimizer_state import (
     _check_optimizer_state_layout,
     _load_optimizer_state_dict,
@@ -67,8 +64,11 @@ from pytorch_lightning.strategies.fsdp_stream_decision import (
 )
 from pytorch_lightning.strategies.fsdp_streaming_save import _save_checkpoint_if_streamed
 from pytorch_lightning.utilities.checkpoint_errors import _distributed_run
-from pytorch_lightning.utilities.cloud_io import get_filesystem
-from pytorch_lightning.utilities.multipart_upload import _is_multipart_store
+from pytorch_lightning.utilities.checkpoint_storage import (
+    _scratch_checkpoint_file,
+    _stage_for_sequential_copy,
+    _storage_kind,
+)
 from pytorch_lightning.utilities.types import _PATH
 
 if TYPE_CHECKING:
@@ -145,14 +145,16 @@ class _FSDPCheckpointer:
         return _optimizer_state(self._strategy, optimizer)
 
     def save_if_streamed(self, checkpoint: Dict[str, Any], filepath: _PATH) -> bool:
-        if _is_multipart_store(get_filesystem(filepath)):
+        kind = _storage_kind(filepath)
+        if kind != "local":
+            # the object is written by every rank in parts (S3), or copied by global rank 0 from its scratch file
+            write_units, plan = (
+                (_upload_units_by_every_rank, _plan_upload)
+                if kind == "multipart"
+                else (_write_streamed_units_in_background, _stage_for_sequential_copy)
+            )
             return _save_checkpoint_if_streamed(
-                self._strategy,
-                checkpoint,
-                filepath,
-                _upload_units_by_every_rank,
-                _plan_upload,
-                _scratch_checkpoint_file,
+                self._strategy, checkpoint, filepath, write_units, plan, _scratch_checkpoint_file
             )
         if not self._every_rank_may_write():
             return _save_checkpoint_if_streamed(

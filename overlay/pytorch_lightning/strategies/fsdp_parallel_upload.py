@@ -12,8 +12,9 @@ central directory).
 2. The object is cut into parts (:func:`~pytorch_lightning.utilities.multipart_upload._part_size`); each part is
    uploaded by the rank that holds most of its bytes. The ranks go through the parts in rounds: in each round every
    rank takes its next :data:`PARTS_IN_FLIGHT` parts, receives the bytes of them it does not hold from their holders
-   over the checkpoint group (one message per part and holder), and uploads them concurrently. So a rank holds at
-   most ``PARTS_IN_FLIGHT`` parts of its own, and the bytes it sends to the others for one round.
+   over the checkpoint group (one message per part and holder, straight into the part where it is one segment), and
+   uploads them concurrently. So a rank holds at most ``PARTS_IN_FLIGHT`` parts of its own, and what it receives or
+   sends in several segments of a part (rank 0's structure bytes among them) in one buffer per part.
 3. Once every rank's parts succeeded (the ranks agree, as after a local parallel save), rank 0 gathers their ETags
    and checksums and completes the upload: the object appears at once. A failure on any rank, or a lost rank, aborts
    it instead; an earlier object at that URL stays as it was.
@@ -22,14 +23,11 @@ The object is the file a local save writes, byte for byte. The hook is the check
 a path on an S3 filesystem (s3fs).
 """
 # fork-feature: fork/object-storage-checkpoints.patch
-import logging
 import os
-import tempfile
 from functools import partial
-from typing import Any, Dict, List, NamedTuple, Optional, TYPE_CHECKING
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, TYPE_CHECKING
 
 import torch
-from fsspec import AbstractFileSystem
 
 from pytorch_lightning.strategies.fsdp_async_checkpoint import (
     _BackgroundSave,
@@ -53,6 +51,7 @@ from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.utilities.checkpoint_crc import _crc32, _Piece
 from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
 from pytorch_lightning.utilities.checkpoint_location import _prepare_checkpoint_dir, _redacted
+from pytorch_lightning.utilities.checkpoint_storage import _MultipartDestination
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 from pytorch_lightning.utilities.multipart_upload import _MultipartUpload, _part_size, _UploadedPart
@@ -61,12 +60,9 @@ from pytorch_lightning.utilities.streamed_checkpoint_file import (
     _memory_of,
     _StreamedCheckpointFile,
 )
-from pytorch_lightning.utilities.types import _PATH
 
 if TYPE_CHECKING:
     from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
-
-log = logging.getLogger(__name__)
 
 #: How many parts of its own a rank assembles and uploads at a time.
 PARTS_IN_FLIGHT = 2
@@ -86,41 +82,16 @@ class _Part(NamedTuple):
 
 
 class _UploadPlan(NamedTuple):
-    """What global rank 0 sends every rank with the checkpoint's structure: where the FSDP records lie, the upload
-    and the object's size."""
+    """What global rank 0 sends every rank with the checkpoint's structure: where the FSDP records lie, the upload,
+    the object's size and its part size (rank 0's ``PL_CHECKPOINT_PART_BYTES``: every rank cuts the same parts)."""
 
     table: _RecordTable
     upload: _MultipartUpload
     size: int
+    part_bytes: int
 
     def discard(self) -> None:
         """Nothing to undo here: the scratch file's ``discard`` aborts the upload."""
-
-
-class _ObjectDestination:
-    """Where rank 0's scratch file goes: :meth:`publish` completes the upload with every rank's parts (set in
-    :attr:`parts` once they all succeeded), :meth:`abandon` aborts it."""
-
-    def __init__(self, fs: AbstractFileSystem, upload: _MultipartUpload) -> None:
-        self.fs, self.upload = fs, upload
-        self.parts: List[_UploadedPart] = []
-
-    def publish(self) -> None:
-        self.upload.complete(self.fs, self.parts)
-
-    def abandon(self) -> None:
-        # the save's own failure is what the user needs to see; a failed abort leaves an incomplete upload, which the
-        # bucket's lifecycle rule removes (see docs/faults.md)
-        try:
-            self.upload.abort(self.fs)
-        except Exception as ex:
-            log.warning(f"Could not abort {self.upload} ({type(ex).__name__}); a bucket lifecycle rule removes it.")
-
-
-def _scratch_checkpoint_file(filepath: _PATH) -> _StreamedCheckpointFile:
-    """Global rank 0's scratch file for a checkpoint going to the object at ``filepath``, in a new directory under
-    the system's temporary directory (``TMPDIR``), removed with the file."""
-    return _StreamedCheckpointFile(filepath, directory=tempfile.mkdtemp(prefix="pl-checkpoint-"))
 
 
 def _plan_upload(
@@ -137,10 +108,10 @@ def _plan_upload(
     _prepare_checkpoint_dir(fs, writer.path)
     table = _record_table(strategy, stream, writer)
     size = os.fstat(writer.fileno()).st_size
-    _part_size(size)  # a file S3 cannot take fails here, before any upload is started
+    part_bytes = _part_size(size)  # a file S3 cannot take fails here, before any upload is started
     upload = _MultipartUpload.start(fs, writer.path)
-    writer.destination = _ObjectDestination(fs, upload)
-    return _UploadPlan(table, upload, size)
+    writer.destination = _MultipartDestination(fs, upload)
+    return _UploadPlan(table, upload, size, part_bytes)
 
 
 def _upload_units_by_every_rank(
@@ -171,7 +142,7 @@ def _copy_own_uploads(
     background thread over the background group."""
     share = _own_share(strategy, stream, plan)
     copies = {source: pool.copy(tensor) for source, tensor in share.sources.items()}
-    share = share._replace(sources=copies)
+    share = share._replace(sources=copies, device=torch.device("cpu"))
 
     def upload(job: _BackgroundSave) -> None:
         # as in the parallel save: a rank lost in the exchanges is named on every rank by ``wait_for_checkpoint``
@@ -187,20 +158,24 @@ def _save_name(plan: _UploadPlan) -> str:
 
 
 class _Share(NamedTuple):
-    """What global rank ``rank`` of ``world_size`` uploads: every rank's extents, and this rank's tensors they come
-    from, by source."""
+    """What global rank ``rank`` of ``world_size`` uploads: every rank's extents, this rank's tensors they come from,
+    by source, and the device its messages to the other ranks go through (the CPU over the gloo checkpoint group; the
+    strategy's device over the default group, ``PL_CHECKPOINT_GLOO_GROUP=0``)."""
 
     rank: int
     world_size: int
     extents: List[_Extent]
     sources: Dict[Any, torch.Tensor]
+    device: torch.device
 
 
 def _own_share(strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, plan: _UploadPlan) -> _Share:
     optimizer_shards = list(_optimizer_shards(strategy, stream))
     extents = _extents(strategy, optimizer_shards, plan.table)
     sources = _own_sources(strategy, optimizer_shards)
-    return _Share(strategy.global_rank, strategy.world_size, extents, sources)
+    group = _checkpoint_process_group(strategy)
+    device = torch.device("cpu") if group is not None or strategy.world_size < 2 else strategy.root_device
+    return _Share(strategy.global_rank, strategy.world_size, extents, sources, device)
 
 
 def _upload_share(
@@ -240,7 +215,7 @@ def _upload_own_parts(
                 for e in share.extents
                 if e.rank == share.rank
             ]
-            parts = _parts(plan.size, _part_size(plan.size), _cover(share.extents, plan.size))
+            parts = _parts(plan.size, plan.part_bytes, _cover(share.extents, plan.size))
     if not guard.agree():
         return []
     _send_crcs_to_writer(pieces, writer, group)
@@ -259,12 +234,12 @@ def _upload_own_parts(
                 return []
             exchange = None
             with guard.catch():
-                exchange = _RoundExchange.prepare(share.rank, round_parts, sources, fd)
+                exchange = _RoundExchange.prepare(share.rank, round_parts, sources, fd, share.device)
             if not guard.agree():
                 return []
             with guard.catch():
                 exchange.run(group)
-                uploaded += plan.upload.upload(fs, exchange.bodies())
+                uploaded += plan.upload.upload(fs, exchange.parts())
         return uploaded
     finally:
         if fd >= 0:
@@ -340,72 +315,78 @@ def _rounds(parts: List[_Part], world_size: int) -> List[List[_Part]]:
 
 class _RoundExchange(NamedTuple):
     """One round of one rank: the bodies of the parts it uploads (its own bytes in place), the messages it sends to
-    the owners of the other parts of the round, and the buffers it receives their holders' bytes into."""
+    the owners of the other parts of the round, and those it receives from their holders. One message per part and
+    holder, tagged with the part's number: a holder's one segment of a part is sent from its shard and received
+    straight into its place in the body; several are sent together and received into a buffer (through ``device``'s
+    buffers where that is not the CPU)."""
 
-    rank: int
     own: List[_Part]
-    buffers: Dict[int, bytearray]
-    outgoing: List[Any]
-    incoming: List[Any]
+    bodies: Dict[int, bytearray]
+    outgoing: List[Tuple[int, int, torch.Tensor]]
+    incoming: List[Tuple[int, int, List[torch.Tensor], torch.Tensor]]
 
     @classmethod
     def prepare(
-        cls, rank: int, parts: List[_Part], sources: Dict[Any, torch.Tensor], fd: int
+        cls, rank: int, parts: List[_Part], sources: Dict[Any, torch.Tensor], fd: int, device: torch.device
     ) -> "_RoundExchange":
-        """Allocate the round's bodies and buffers and copy this rank's own bytes: local work, which may fail (out
-        of memory) before any rank enters the exchange."""
+        """Allocate the round's bodies and buffers and copy this rank's own bytes: local work, which may fail (out of
+        memory) before any rank enters the exchange."""
         own = [part for part in parts if part.owner == rank]
-        buffers = {part.number: bytearray(part.nbytes) for part in own}
+        bodies = {part.number: bytearray(part.nbytes) for part in own}
         outgoing, incoming = [], []
         for part in parts:
+            by_holder: Dict[int, List[_Extent]] = {}
+            for segment in part.segments:
+                by_holder.setdefault(segment.rank, []).append(segment)
             if part.owner == rank:
-                body = torch.frombuffer(buffers[part.number], dtype=torch.uint8)
-                for segment in part.segments:
-                    lo = segment.offset - part.offset
-                    if segment.rank == rank:
-                        _copy_segment(body[lo : lo + segment.nbytes], segment, sources, fd)
-                by_holder: Dict[int, List[_Extent]] = {}
-                for segment in part.segments:
-                    if segment.rank != rank:
-                        by_holder.setdefault(segment.rank, []).append(segment)
+                body = torch.frombuffer(bodies[part.number], dtype=torch.uint8)
                 for holder, segments in by_holder.items():
-                    buffer = torch.empty(sum(s.nbytes for s in segments), dtype=torch.uint8)
-                    incoming.append((part, holder, segments, buffer))
-            else:
-                mine = [segment for segment in part.segments if segment.rank == rank]
-                if mine:
-                    message = torch.empty(sum(s.nbytes for s in mine), dtype=torch.uint8)
-                    position = 0
-                    for segment in mine:
-                        _copy_segment(message[position : position + segment.nbytes], segment, sources, fd)
-                        position += segment.nbytes
-                    outgoing.append((part, message))
-        return cls(rank, own, buffers, outgoing, incoming)
+                    places = [body[s.offset - part.offset :][: s.nbytes] for s in segments]
+                    if holder == rank:
+                        for place, segment in zip(places, segments):
+                            _copy_segment(place, segment, sources, fd)
+                        continue
+                    direct = len(places) == 1 and device.type == "cpu"
+                    buffer = places[0] if direct else torch.empty(sum(s.nbytes for s in segments), dtype=torch.uint8)
+                    incoming.append((holder, part.number, [] if direct else places, buffer.to(device)))
+            elif rank in by_holder:
+                outgoing.append((part.owner, part.number, _message(by_holder[rank], sources, fd, device)))
+        return cls(own, bodies, outgoing, incoming)
 
     def run(self, group: Optional[Any]) -> None:
-        """Send and receive the round's messages over ``group`` (tagged with the part's number) and put what was
-        received in place. Collective between the ranks that share a part."""
-        requests = [
-            torch.distributed.isend(message, part.owner, group=group, tag=part.number)
-            for part, message in self.outgoing
-        ]
+        """Send and receive the round's messages over ``group``, and put what was received into place. Collective
+        between the ranks that share a part."""
+        requests = [torch.distributed.isend(data, peer, group=group, tag=tag) for peer, tag, data in self.outgoing]
         requests += [
-            torch.distributed.irecv(buffer, holder, group=group, tag=part.number)
-            for part, holder, _, buffer in self.incoming
+            torch.distributed.irecv(buffer, peer, group=group, tag=tag) for peer, tag, _, buffer in self.incoming
         ]
         for request in requests:
             request.wait()
-        for part, _, segments, buffer in self.incoming:
-            body = torch.frombuffer(self.buffers[part.number], dtype=torch.uint8)
+        for _, _, places, buffer in self.incoming:
+            # ``places`` is empty where the message was received in place
             position = 0
-            for segment in segments:
-                lo = segment.offset - part.offset
-                body[lo : lo + segment.nbytes].copy_(buffer[position : position + segment.nbytes])
-                position += segment.nbytes
+            for place in places:
+                place.copy_(buffer[position : position + place.numel()])
+                position += place.numel()
 
-    def bodies(self) -> List[Any]:
+    def parts(self) -> List[Tuple[int, bytearray]]:
         """The round's parts of this rank: their numbers and bodies."""
-        return [(part.number, self.buffers[part.number]) for part in self.own]
+        return [(part.number, self.bodies[part.number]) for part in self.own]
+
+
+def _message(segments: List[_Extent], sources: Dict[Any, torch.Tensor], fd: int, device: torch.device) -> torch.Tensor:
+    """The bytes of ``segments`` (one part's bytes this rank holds) as one message on ``device``: a view of the shard
+    where it is one segment of a shard there already, else a copy."""
+    if len(segments) == 1 and segments[0].source is not None:
+        segment = segments[0]
+        data = sources[segment.source][segment.at : segment.at + segment.nbytes]
+        return data if data.device == device else data.to(device)
+    message = torch.empty(sum(s.nbytes for s in segments), dtype=torch.uint8)
+    position = 0
+    for segment in segments:
+        _copy_segment(message[position : position + segment.nbytes], segment, sources, fd)
+        position += segment.nbytes
+    return message.to(device)
 
 
 def _copy_segment(out: torch.Tensor, segment: _Extent, sources: Dict[Any, torch.Tensor], fd: int) -> None:

@@ -1,8 +1,9 @@
-"""The parallel FSDP load from object storage: every rank fetches, with ranged GETs, only the bytes it reads.
+"""The parallel FSDP load from object storage (any ``fsspec`` filesystem but the local one): every rank fetches,
+with ranged reads (S3's ranged GETs), only the bytes it reads.
 
 The local load maps the file and every rank copies the elements of its own shards out of the full tensors (see
 :mod:`.fsdp_restore`, :mod:`.fsdp_portable_optimizer_state`). From an object in S3, each rank instead builds a sparse
-local copy of it (:mod:`~pytorch_lightning.utilities.sparse_object_copy`):
+local copy of it (:mod:`~pytorch_lightning.utilities.sparse_object_copy`), through ``fs.cat_ranges``:
 
 1. the zip's structure (central directory, local headers, ``data.pkl`` and the version records), from which
    ``torch.load(map_location="meta")`` gives every tensor's place in the file without reading any tensor;
@@ -11,10 +12,17 @@ local copy of it (:mod:`~pytorch_lightning.utilities.sparse_object_copy`):
    tensor per parameter, of the parameter's shape); every other tensor record (parameters outside FSDP, tied names'
    own records, scalar state) whole.
 
-The checkpoint is then loaded from the copy, memory-mapped, as a local one is, and its CRC-32 check reads the copy
-(fetching what it reads again). No rank downloads the whole object, except at a world size of 1, where the one rank
-reads every byte, and where the LightningModule overrides ``on_load_checkpoint``, which may read any tensor whole:
-then the whole object is fetched, with an info line that says so.
+Every rank reads the same version of the object: global rank 0 looks up its size and ETag and sends them to the
+others, and on S3 every ranged GET carries ``If-Match`` with that ETag, so an object replaced during the load (a
+``last.ckpt`` rewritten by a training job while another job loads it) fails the load instead of mixing two
+checkpoints. On S3, global rank 0 first aborts the uploads into the object's directory that killed jobs left (see
+:mod:`~pytorch_lightning.utilities.stale_uploads`).
+
+The checkpoint is then loaded from the copy, memory-mapped, as a local one is, and its CRC-32 check reads the copy: a
+read of bytes that were never fetched raises instead of going on with zeros. No rank downloads the whole object,
+except at a world size of 1, where the one rank reads every byte, and where the LightningModule or the
+LightningDataModule overrides ``on_load_checkpoint``, which may read any tensor whole: then every rank fetches the
+whole object, with an info line that says so.
 
 The hook is ``DDPFullyShardedStrategy.load_checkpoint`` (the fork's override), through the checkpointer.
 """
@@ -26,7 +34,9 @@ import torch
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
 from pytorch_lightning.strategies.fsdp_introspection import _flat_parameter_keys, _named_fsdp_instances, _shard_range
 from pytorch_lightning.utilities.checkpoint_crc import _ZipIndex
+from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _distributed_run
 from pytorch_lightning.utilities.checkpoint_location import _redacted
+from pytorch_lightning.utilities.checkpoint_storage import _storage_kind
 from pytorch_lightning.utilities.checkpoint_verification import _hand_local_copy_to_check, _tensors_of
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.cloud_io import load as pl_load
@@ -34,6 +44,7 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.multipart_upload import _is_multipart_store
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.sparse_object_copy import _SparseObjectCopy
+from pytorch_lightning.utilities.stale_uploads import _abort_stale_uploads
 from pytorch_lightning.utilities.types import _PATH
 
 if TYPE_CHECKING:
@@ -44,26 +55,30 @@ _Range = Tuple[int, int]
 
 def _load_checkpoint_in_ranges(strategy: "DDPFullyShardedStrategy", path: _PATH) -> Optional[Dict[str, Any]]:
     """The checkpoint at ``path`` loaded from the bytes this rank reads (see the module's docstring); ``None`` where
-    this does not apply (not in S3, or a custom ``CheckpointIO.load_checkpoint``): the caller loads it as before.
+    this does not apply (a local file, or a custom ``CheckpointIO.load_checkpoint``): the caller loads it as
+    before.
 
     Raises:
         FileNotFoundError: if there is no object at ``path``.
     """
-    fs = get_filesystem(path)
     load = getattr(strategy.checkpoint_io, "load_checkpoint", None)
-    if not _is_multipart_store(fs) or getattr(load, "__func__", None) is not TorchCheckpointIO.load_checkpoint:
+    if _storage_kind(path) == "local" or getattr(load, "__func__", None) is not TorchCheckpointIO.load_checkpoint:
         return None
+    fs = get_filesystem(path)
     url = str(path)
-    try:
-        copy = _SparseObjectCopy(fs, url)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"Checkpoint at {_redacted(url)} not found. Aborting training.") from None
+    if strategy.is_global_zero and _is_multipart_store(fs):
+        # as a local load removes the temporary files of killed saves beside the file
+        _abort_stale_uploads(fs, url.rsplit("/", 1)[0])
+    size, etag = _object_version(strategy, fs, url)
+    copy = _SparseObjectCopy(fs, url, size, etag)
     try:
         index = copy.fetch_structure()
-        if is_overridden("on_load_checkpoint", strategy.lightning_module):
+        trainer = strategy.lightning_module.trainer
+        hooks = [strategy.lightning_module, getattr(trainer, "datamodule", None)]
+        if any(hook is not None and is_overridden("on_load_checkpoint", hook) for hook in hooks):
             rank_zero_info(
                 f"Every rank downloads the whole checkpoint {_redacted(url)}, not only its own shards: the"
-                " LightningModule's `on_load_checkpoint` may read any of its tensors."
+                " LightningModule's or LightningDataModule's `on_load_checkpoint` may read any of its tensors."
             )
             copy.fetch([(0, copy.size)])
         else:
@@ -76,6 +91,33 @@ def _load_checkpoint_in_ranges(strategy: "DDPFullyShardedStrategy", path: _PATH)
         raise
     _hand_local_copy_to_check(url, copy)
     return checkpoint
+
+
+def _object_version(strategy: "DDPFullyShardedStrategy", fs: Any, url: str) -> Tuple[int, Optional[str]]:
+    """The size and ETag (``None`` where the filesystem gives none) of the object at ``url``, as global rank 0 finds
+    them, on every rank. Collective where several processes run.
+
+    Raises:
+        FileNotFoundError: on every rank, if there is no object at ``url``.
+        OSError: on every rank, if global rank 0 could not look it up.
+    """
+    found: Tuple[Any, ...] = ()
+    error: Optional[BaseException] = None
+    if strategy.is_global_zero:
+        try:
+            found = _SparseObjectCopy.version_of(fs, url)
+        except Exception as ex:
+            # the type only: an error's text may quote the URL with its secret
+            error, found = ex, ("failed", isinstance(ex, FileNotFoundError), type(ex).__name__)
+    if _distributed_run(strategy.world_size) and torch.distributed.is_initialized():
+        found = _broadcast_failure(strategy, found, src=0)
+    if found and found[0] == "failed":
+        if found[1]:
+            raise FileNotFoundError(f"Checkpoint at {_redacted(url)} not found. Aborting training.")
+        if error is not None:
+            raise error
+        raise OSError(f"Global rank 0 could not look up the checkpoint {_redacted(url)} ({found[2]}).")
+    return found
 
 
 def _ranges_read(strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], index: _ZipIndex) -> List[_Range]:

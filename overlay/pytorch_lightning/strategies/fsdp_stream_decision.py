@@ -12,7 +12,6 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, TYPE_CHECKING
 
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -32,7 +31,6 @@ from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _d
 from pytorch_lightning.utilities.checkpoint_location import _redacted
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.model_helpers import is_overridden
-from pytorch_lightning.utilities.multipart_upload import _is_multipart_store
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.streamed_checkpoint_file import _streamed_save_available
 from pytorch_lightning.utilities.types import _PATH
@@ -253,9 +251,10 @@ def _reason_in_configuration(
     save = getattr(strategy.checkpoint_io, "save_checkpoint", None)
     if storage_options is not None or getattr(save, "__func__", None) is not TorchCheckpointIO.save_checkpoint:
         return f"the checkpoint is saved by a custom `{type(strategy.checkpoint_io).__name__}.save_checkpoint`"
-    fs = get_filesystem(filepath)
-    if not isinstance(fs, LocalFileSystem) and not _is_multipart_store(fs):
-        return f"{_redacted(filepath)!r} is neither a local path nor on S3"
+    try:
+        get_filesystem(filepath)
+    except (ValueError, ImportError) as ex:
+        return f"fsspec cannot open {_redacted(filepath)!r} ({type(ex).__name__})"
     return None
 
 

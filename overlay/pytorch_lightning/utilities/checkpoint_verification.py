@@ -145,6 +145,7 @@ class _ReadCheck:
             nbytes = max(end - start, 0) * itemsize
         if nbytes <= 0:
             return True
+        self._check_fetched(record, at, nbytes)
         if (
             copied is not None
             and tensor.is_contiguous()
@@ -167,11 +168,28 @@ class _ReadCheck:
     def matches(self, record: _ZipRecord) -> Tuple[bool, int]:
         """Whether ``record``'s bytes match its CRC-32, and the CRC-32 found: over the mapping, and, where that does
         not match, read from the file (:meth:`crc_of`). A file that no longer holds the record (truncated since the
-        load) is read, not mapped: a mapped page past its end would kill the process (``SIGBUS``)."""
+        load) is read, not mapped: a mapped page past its end would kill the process (``SIGBUS``).
+
+        Raises:
+            CheckpointError: if the check reads a local copy of an object that lacks some of the record's bytes: the
+                load read zeros in their place.
+        """
+        self._check_fetched(record, record.offset, record.size)
         crc = self.mapped_crc_of(record.offset, record.size) if self._holds(record) else None
         if crc != record.crc:
             crc = self.crc_of(record.offset, record.size)
         return crc == record.crc, crc
+
+    def _check_fetched(self, record: _ZipRecord, offset: int, size: int) -> None:
+        """Raise where ``size`` bytes at ``offset`` of ``record``, which the load read, are missing from the local
+        copy of an object: they read as zeros, which no CRC-32 check of the bytes fetched later would show."""
+        if self.copy is not None and self.copy.missing(offset, size):
+            raise CheckpointError(
+                f"Loading the checkpoint {self.name!r} read bytes {offset} to {offset + size} of its record"
+                f" {record.name!r} (holding {', '.join(self.keys.get(record.name, [])[:4]) or 'no tensor'}), which this"
+                " rank had not fetched from the object: it read zeros there. Something besides the strategy's restore"
+                " read the checkpoint's tensors (a callback's `on_load_checkpoint`?); nothing is resumed from it."
+            )
 
     def _holds(self, record: _ZipRecord) -> bool:
         """Whether the file at the check's path is still the one loaded, and long enough to hold ``record``."""

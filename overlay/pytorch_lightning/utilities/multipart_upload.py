@@ -15,9 +15,11 @@ import os
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 from fsspec import AbstractFileSystem
+from packaging.version import Version
 
 from pytorch_lightning.utilities.checkpoint_location import _redacted
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.stale_uploads import _abort_stale_uploads, _remove_marker, _write_marker
 
 #: The size of the parts of a checkpoint uploaded in parts (default 16 MiB): each rank holds a few of them at a time.
 PART_BYTES_ENV = "PL_CHECKPOINT_PART_BYTES"
@@ -66,25 +68,36 @@ class _MultipartUpload(NamedTuple):
     bucket: str
     key: str
     upload_id: str
+    #: the path of its marker (see :mod:`~pytorch_lightning.utilities.stale_uploads`)
+    marker: str
 
     @classmethod
     def start(cls, fs: AbstractFileSystem, url: str) -> "_MultipartUpload":
-        """Start an upload of the object at ``url`` (no object appears until :meth:`complete`)."""
+        """Start an upload of the object at ``url`` (no object appears until :meth:`complete`), after aborting the
+        uploads into its directory that killed jobs left, and mark it as the fork's."""
         bucket, key, _ = fs.split_path(url)
+        _abort_stale_uploads(fs, str(url).rsplit("/", 1)[0])
         options: Dict[str, Any] = {}
         if _client_sends_checksums(fs):
             # botocore >= 1.36 sends a CRC32 with every part; S3 keeps them only if the upload names the algorithm,
             # and then checks each part's and the whole object's
             options["ChecksumAlgorithm"] = "CRC32"
-        answer = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **options)
-        return cls(str(url), bucket, key, answer["UploadId"])
+        upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **options)["UploadId"]
+        try:
+            marker = _write_marker(fs, str(url), bucket, key, upload_id)
+        except BaseException:
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            raise
+        return cls(str(url), bucket, key, upload_id, marker)
 
     def upload(self, fs: AbstractFileSystem, parts: Sequence[Tuple[int, Any]]) -> List[_UploadedPart]:
         """Upload ``parts`` (part number, bytes-like body) concurrently through s3fs's event loop; returns what
         :meth:`complete` needs of each. The client retries a failed request as configured (``SlowDown`` included)."""
 
         async def upload_all() -> List[Dict[str, Any]]:
-            return await asyncio.gather(
+            # every part's request ends before an error is raised, so that none is still uploading when the upload
+            # is aborted (a part that lands after the abort would be billed until a lifecycle rule removes it)
+            answers = await asyncio.gather(
                 *(
                     fs._call_s3(
                         "upload_part",
@@ -95,8 +108,13 @@ class _MultipartUpload(NamedTuple):
                         Body=body,
                     )
                     for number, body in parts
-                )
+                ),
+                return_exceptions=True,
             )
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    raise answer
+            return answers
 
         from fsspec.asyn import sync
 
@@ -113,11 +131,13 @@ class _MultipartUpload(NamedTuple):
             UploadId=self.upload_id,
             MultipartUpload={"Parts": parts},
         )
+        _remove_marker(fs, self.marker)
         _invalidate_listing(fs, self.url)
 
     def abort(self, fs: AbstractFileSystem) -> None:
         """Abort the upload: its parts are deleted and no object appears (an earlier one stays)."""
         fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
+        _remove_marker(fs, self.marker)
         _invalidate_listing(fs, self.url)
 
     def __str__(self) -> str:
@@ -131,14 +151,17 @@ def _uploaded_part(number: int, answer: Dict[str, Any]) -> _UploadedPart:
 
 
 def _client_sends_checksums(fs: AbstractFileSystem) -> bool:
-    """Whether s3fs's botocore client adds a checksum to every part (botocore >= 1.36's default,
-    ``request_checksum_calculation="when_supported"``; ``when_required`` turns it off, as stores that do not know
-    the checksum headers need)."""
-    config = getattr(getattr(fs.s3, "meta", None), "config", None) if getattr(fs, "_s3", None) else None
-    if config is None:
-        value = os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION", "when_supported")
-    else:
-        value = getattr(config, "request_checksum_calculation", None) or "when_supported"
+    """Whether s3fs's botocore client adds a checksum to every part: botocore >= 1.36 with its default,
+    ``request_checksum_calculation="when_supported"`` (``when_required`` turns it off, as stores that do not know the
+    checksum headers need); older botocore sends none, and S3 refuses an upload that names an algorithm without them."""
+    import botocore
+
+    if Version(botocore.__version__) < Version("1.36"):
+        return False
+    config = getattr(getattr(getattr(fs, "_s3", None), "meta", None), "config", None)
+    value = getattr(config, "request_checksum_calculation", None)
+    if value is None:
+        value = os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION", "") or "when_supported"
     return str(value).lower() == "when_supported"
 
 

@@ -1,28 +1,33 @@
 """A local, sparse copy of a checkpoint in object storage that holds only the byte ranges a process reads.
 
 :class:`_SparseObjectCopy` makes a local scratch file of the object's size in which nothing is written yet (a hole,
-no disk blocks), then fetches byte ranges into their places with ranged GETs (``fs.cat_ranges``, concurrent, never a
-readahead file object): first the zip's structure (:meth:`fetch_structure`: the central directory, the local headers
-and every record that is not a tensor's storage, so ``torch.load`` can read the file), then the tensor bytes this
-process reads (:meth:`fetch`). Loaded with ``torch.load(mmap=True)``, the copy's tensors are backed by its pages;
-bytes never fetched read as zeros, which is why the reader fetches every range it reads first, and why the load's
-CRC-32 check fetches a range it reads again (:meth:`ensure`).
+no disk blocks), then fetches byte ranges into their places with ranged reads, concurrent, never a readahead file
+object (``fs.cat_ranges``; on S3, ranged GETs of one version of the object, see :class:`_SparseObjectCopy`): first
+the zip's structure (:meth:`fetch_structure`: the central directory, the local headers and every record that is not
+a tensor's storage, so ``torch.load`` can read the file), then the tensor bytes this process reads (:meth:`fetch`).
+Loaded with ``torch.load(mmap=True)``, the copy's tensors are backed by its pages; bytes never fetched read as
+zeros, which is why the reader fetches every range it reads first, why the load's CRC-32 check raises where a read
+range was not fetched (:meth:`missing`), and why it fetches a range it reads again only for that check
+(:meth:`ensure`).
 
 The scratch file is unlinked as soon as it is made: it lives while the copy's descriptor (:attr:`path` is
 ``/proc/self/fd/N``) or a mapping of it is open, so a killed process leaves nothing behind. Used by
 :mod:`~pytorch_lightning.strategies.fsdp_ranged_load`.
 """
 # fork-feature: fork/object-storage-checkpoints.patch
+import asyncio
 import bisect
 import os
 import tempfile
 import zipfile
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from fsspec import AbstractFileSystem
+from fsspec.asyn import sync
 
 from pytorch_lightning.utilities.checkpoint_crc import _ZipIndex
 from pytorch_lightning.utilities.checkpoint_location import _redacted
+from pytorch_lightning.utilities.multipart_upload import _is_multipart_store
 
 #: The size of the longest ranged GET, and how many bytes one round of concurrent GETs holds in memory at most.
 FETCH_BYTES = 16 * 2**20
@@ -34,23 +39,21 @@ _Range = Tuple[int, int]
 
 
 class _SparseObjectCopy:
-    """The sparse local copy of the object at ``url`` on ``fs`` (see the module's docstring).
+    """The sparse local copy of version ``etag`` (``size`` bytes) of the object at ``url`` on ``fs`` (see the
+    module's docstring and :meth:`version_of`). On S3 every ranged GET carries ``If-Match: etag``.
 
     Args:
         fs: the object's filesystem.
         url: the object.
+        size: its size.
+        etag: its ETag, or ``None`` where the filesystem gives none (the version is then not checked).
         directory: where the scratch file is made (the system's temporary directory by default).
-
-    Raises:
-        FileNotFoundError: if there is no object at ``url``.
     """
 
-    def __init__(self, fs: AbstractFileSystem, url: str, directory: str = None) -> None:
-        self.fs, self.url = fs, url
-        info = fs.info(url)
-        if info.get("type") == "directory":
-            raise FileNotFoundError(f"Checkpoint at {_redacted(url)} not found. Aborting training.")
-        self.size = int(info["size"])
+    def __init__(
+        self, fs: AbstractFileSystem, url: str, size: int, etag: Optional[str] = None, directory: Optional[str] = None
+    ) -> None:
+        self.fs, self.url, self.size, self.etag = fs, url, size, etag
         self._fd, scratch = tempfile.mkstemp(prefix="pl-checkpoint-", suffix=".ckpt", dir=directory)
         os.unlink(scratch)
         os.ftruncate(self._fd, self.size)
@@ -58,6 +61,21 @@ class _SparseObjectCopy:
         self._fetched: List[_Range] = []
         #: the bytes fetched from the object, in all
         self.fetched_bytes = 0
+
+    @staticmethod
+    def version_of(fs: AbstractFileSystem, url: str) -> Tuple[int, Optional[str]]:
+        """The size and ETag of the object at ``url``, asked of the store (not of a cached listing).
+
+        Raises:
+            FileNotFoundError: if there is no object at ``url`` (or it is a directory).
+        """
+        path = fs._strip_protocol(url)
+        fs.invalidate_cache(path)
+        info = fs.info(url)
+        if info.get("type") == "directory" or info.get("size") is None:
+            raise FileNotFoundError(url)
+        etag = info.get("ETag") if _is_multipart_store(fs) else None
+        return int(info["size"]), etag
 
     @property
     def path(self) -> str:
@@ -101,6 +119,10 @@ class _SparseObjectCopy:
         """Fetch whatever of ``size`` bytes at ``offset`` is not fetched yet (the check reads it from the copy)."""
         self.fetch([(offset, offset + size)])
 
+    def missing(self, offset: int, size: int) -> bool:
+        """Whether some of ``size`` bytes at ``offset`` were never fetched (they read as zeros)."""
+        return bool(self._missing(offset, offset + size))
+
     def close(self) -> None:
         """Close the copy's descriptor; its mappings (the loaded tensors) stay valid."""
         if self._fd >= 0:
@@ -123,20 +145,56 @@ class _SparseObjectCopy:
         return missing
 
     def _fetch_round(self, pieces: List[_Range]) -> None:
-        data = self.fs.cat_ranges(
-            [self.url] * len(pieces), [s for s, _ in pieces], [e for _, e in pieces], on_error="raise"
-        )
+        if self.etag is not None:
+            data = self._get_ranges_of_version(pieces)
+        else:
+            data = self.fs.cat_ranges(
+                [self.url] * len(pieces), [s for s, _ in pieces], [e for _, e in pieces], on_error="raise"
+            )
         for (start, end), chunk in zip(pieces, data):
             if len(chunk) != end - start:
                 raise OSError(
                     f"A ranged read of {_redacted(self.url)} at {start} gave {len(chunk)} bytes, not {end - start}:"
-                    " the object changed while it was loaded."
+                    " the object changed while it was loaded. Load it again."
                 )
             view, position = memoryview(chunk), start
             while view:
                 written = os.pwrite(self._fd, view, position)
                 view, position = view[written:], position + written
             self.fetched_bytes += end - start
+
+    def _get_ranges_of_version(self, pieces: List[_Range]) -> List[bytes]:
+        """S3's ranged GETs of ``pieces`` with ``If-Match`` (s3fs's ``cat_ranges`` passes no condition),
+        concurrently through s3fs's event loop and client, which retries them as configured."""
+        bucket, key, _ = self.fs.split_path(self.url)
+
+        async def get(start: int, end: int) -> bytes:
+            answer = await self.fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=self.etag
+            )
+            try:
+                return await answer["Body"].read()
+            finally:
+                answer["Body"].close()
+
+        async def get_all() -> List[bytes]:
+            # every GET ends before an error is raised: none of them is left writing into the copy
+            results = await asyncio.gather(*(get(start, end) for start, end in pieces), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return results
+
+        try:
+            return sync(self.fs.loop, get_all)
+        except OSError as ex:
+            code = getattr(ex.__cause__, "response", {}).get("Error", {}).get("Code")
+            if code == "PreconditionFailed":
+                raise OSError(
+                    f"The object {_redacted(self.url)} was replaced while it was loaded (its ETag is no longer"
+                    f" {self.etag}). Load it again."
+                ) from None
+            raise
 
 
 def _merged(ranges: Iterable[_Range]) -> List[_Range]:

@@ -8,7 +8,6 @@ committed and discarded as :func:`~pytorch_lightning.utilities.atomic_save.save_
 import ctypes
 import inspect
 import os
-import shutil
 from contextlib import nullcontext
 from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
@@ -71,13 +70,13 @@ class _StreamedCheckpointFile:
     A checkpoint for object storage is built in a local scratch file instead (``directory``), whose structure the
     processes upload with their data (see :mod:`~pytorch_lightning.strategies.fsdp_parallel_upload`): torch writes a
     skipped tensor's bytes as a hole, so the file takes the room of the structure only. :meth:`commit` then calls
-    ``destination.publish()`` instead of the rename, and :meth:`discard` ``destination.abandon()``.
+    ``destination.publish(tmp_path)`` instead of the rename, and :meth:`discard` ``destination.abandon()`` (see
+    :mod:`~pytorch_lightning.utilities.checkpoint_storage`).
 
     Args:
         path: the local path the checkpoint is saved to (with ``directory``, its URL).
         flush_bytes: how many bytes to write between flushes.
-        directory: the local directory of the scratch file, where the checkpoint goes elsewhere; it is removed with
-            the file.
+        directory: the local directory of the scratch file, where the checkpoint goes elsewhere.
     """
 
     def __init__(self, path: _PATH, flush_bytes: int = 64 * 2**20, directory: Optional[str] = None) -> None:
@@ -87,10 +86,9 @@ class _StreamedCheckpointFile:
             self._dirname = os.path.dirname(self.path)
         else:
             self.path, self._dirname = str(path), directory
-        #: where a scratch file's bytes go (an object with ``publish()`` and ``abandon()``), set once known
+        #: where a scratch file's bytes go (an object with ``publish(tmp_path)`` and ``abandon()``), set once known
         self.destination: Optional[Any] = None
         self._crcs_written = False
-        self._scratch = directory is not None
         # decided before the temporary file is made, which an invalid `PL_CHECKPOINT_CHUNK_FSYNC` would leave behind
         #: the mount the file is on (``None`` where the mount table cannot be read), read once per file
         self.mount = _mount_of(self._dirname)
@@ -218,7 +216,7 @@ class _StreamedCheckpointFile:
         try:
             self.write_crcs()
             if self.destination is not None:
-                self.destination.publish()
+                self.destination.publish(self.tmp_path)
                 self.destination = None
                 self.discard()
                 self.committed = True
@@ -252,8 +250,6 @@ class _StreamedCheckpointFile:
                     pass
                 os.close(self._fd)
                 self._fd = -1
-                if self._scratch:
-                    shutil.rmtree(self._dirname, ignore_errors=True)
         finally:
             if destination is not None:
                 destination.abandon()
