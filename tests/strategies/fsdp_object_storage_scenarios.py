@@ -5,11 +5,12 @@ against a real S3 server process with a proxy per rank (``S3_HARNESS_RANK_ENDPOI
 """
 import argparse
 import os
+import signal
 import threading
 import uuid
 import zipfile
 from contextlib import contextmanager, nullcontext
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 from unittest import mock
 
 import fsspec
@@ -19,8 +20,9 @@ from fsdp_harness.models import FSDPModel, full_parameters
 from fsdp_harness.s3_proxy import S3Proxy, internal_error, reset_part, slow_down
 from fsdp_harness.s3_server import boto3_client, use_rank_endpoint
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
-from pytorch_lightning import Trainer, seed_everything
+from pytorch_lightning import LightningDataModule, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import fsdp_ranged_load
 from pytorch_lightning.utilities.exceptions import CheckpointError
 from pytorch_lightning.utilities.multipart_upload import _MultipartUpload
 from tests.strategies.fsdp_stream_scenarios import default_strategy, differences, load
@@ -232,6 +234,148 @@ def slurm_requeue(args: argparse.Namespace) -> Dict[str, Any]:
     return {"rank": trainer.global_rank, "fits": fits}
 
 
+def killed_mid_upload(args: argparse.Namespace) -> Dict[str, Any]:
+    """Save into ``args.url``, then save over it; in the second save's upload global rank ``args.fault_rank`` (or
+    every rank: ``-1``) kills itself (``SIGKILL``) before its first part. A rank left records what it raised, and on
+    global rank 0 whether the object changed and which uploads are left."""
+    proxy = _proxy()
+    seed_everything(5)
+    trainer = _trainer(args)
+    trainer.fit(_model(args))
+    url = f"{args.url}/killed.ckpt"
+    trainer.save_checkpoint(url)
+    before = fsspec.open(url, "rb").open().read() if trainer.global_rank == 0 else b""
+    with torch.no_grad():
+        for parameter in trainer.lightning_module.parameters():
+            parameter.add_(1.0)
+    upload = _MultipartUpload.upload
+
+    def killing_upload(self: _MultipartUpload, *a: Any, **kw: Any) -> Any:
+        if args.fault_rank in (-1, trainer.global_rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return upload(self, *a, **kw)
+
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "error": None}
+    with _counted(proxy, result.setdefault("save", {})):
+        try:
+            with mock.patch.object(_MultipartUpload, "upload", killing_upload):
+                trainer.save_checkpoint(url)
+        except CheckpointError as ex:
+            result["error"] = str(ex)
+    if trainer.global_rank == 0:
+        fs = fsspec.filesystem("s3")
+        fs.invalidate_cache()
+        result["unchanged"] = fs.cat_file(url) == before
+        result["uploads_in_progress"] = _uploads_in_progress(url)
+    return result
+
+
+def after_killed_job(args: argparse.Namespace) -> Dict[str, Any]:
+    """The next job after one killed mid-upload: record the uploads and markers left in ``args.url``, then resume
+    from ``killed.ckpt`` there (global rank 0 aborts the killed job's upload) and record them again."""
+    _proxy()
+    url = f"{args.url}/killed.ckpt"
+    fs = fsspec.filesystem("s3")
+
+    def markers() -> List[str]:
+        fs.invalidate_cache()
+        return sorted(p.rsplit("/", 1)[1] for p in fs.ls(args.url) if p.endswith(".upload"))
+
+    result: Dict[str, Any] = {"before": {"uploads": _uploads_in_progress(url), "markers": markers()}}
+    trainer = _trainer(args, max_steps=3)
+    trainer.fit(_model(args), ckpt_path=url)
+    result.update(rank=trainer.global_rank, after={"uploads": _uploads_in_progress(url), "markers": markers()})
+    return result
+
+
+class ReadsCheckpointData(LightningDataModule):
+    """A DataModule whose ``on_load_checkpoint`` reads a full FSDP weight of the checkpoint (1.6.5 hands it the whole
+    checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Optional[torch.Tensor] = None
+
+    def train_dataloader(self) -> Any:
+        return self.trainer.lightning_module.train_dataloader()
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        self.seen = checkpoint["state_dict"]["layer.0.0.weight"].clone()
+
+
+def resume_reading_hooks(args: argparse.Namespace) -> Dict[str, Any]:
+    """Resume from the object ``args.ckpt`` with a DataModule whose ``on_load_checkpoint`` reads a full weight: what
+    it saw against the local file ``args.local``, and the bytes this rank fetched."""
+    proxy = _proxy()
+    datamodule, counts = ReadsCheckpointData(), {}
+    trainer = _trainer(args, max_steps=3)
+    with _counted(proxy, counts):
+        trainer.fit(_model(args), datamodule=datamodule, ckpt_path=args.ckpt)
+    expected = load(args.local)["state_dict"]["layer.0.0.weight"]
+    return {"rank": trainer.global_rank, "same": bool(torch.equal(datamodule.seen, expected)), "load": counts}
+
+
+def resume_missing_range(args: argparse.Namespace) -> Dict[str, Any]:
+    """Resume from the object ``args.ckpt`` while the choice of the ranges to fetch leaves out one tensor's bytes
+    (a bug that would hand the restore zeros): what every rank raises."""
+    _proxy()
+    choose = fsdp_ranged_load._ranges_read
+
+    def dropping(*a: Any, **kw: Any) -> List[Any]:
+        ranges = sorted(choose(*a, **kw), key=lambda r: r[0] - r[1])
+        return ranges[1:]  # the largest range left out
+
+    trainer = _trainer(args, max_steps=3)
+    try:
+        with mock.patch.object(fsdp_ranged_load, "_ranges_read", dropping):
+            trainer.fit(_model(args), ckpt_path=args.ckpt)
+    except CheckpointError as ex:
+        return {"rank": trainer.global_rank, "error": str(ex)}
+    return {"rank": trainer.global_rank, "error": None}
+
+
+def part_size_differs(args: argparse.Namespace) -> Dict[str, Any]:
+    """Save into ``args.url`` with ``PL_CHECKPOINT_PART_BYTES`` 5 MiB on global rank 0 and 6 MiB on the others:
+    every rank cuts the object as rank 0 does. Rank 0 compares the object with a local save."""
+    _proxy()
+    seed_everything(3)
+    trainer = _trainer(args)
+    trainer.fit(_model(args))
+    if trainer.global_rank:
+        os.environ["PL_CHECKPOINT_PART_BYTES"] = str(6 * 2**20)
+    url, local = f"{args.url}/part-size.ckpt", args.out / "local.ckpt"
+    trainer.save_checkpoint(url)
+    trainer.save_checkpoint(local)
+    result: Dict[str, Any] = {"rank": trainer.global_rank}
+    if trainer.global_rank == 0:
+        result["same_bytes"] = fsspec.filesystem("s3").cat_file(url) == local.read_bytes()
+    return result
+
+
+def sequential_store(args: argparse.Namespace) -> Dict[str, Any]:
+    """Save into ``memory://`` (an fsspec filesystem without multipart uploads, as gcsfs or adlfs are: global rank 0
+    writes it from its scratch file, each process's memory being its own) and into a local file; rank 0 compares
+    them. In a single process, resume from both and compare the parameters reached."""
+    seed_everything(17)
+    trainer = _trainer(args)
+    trainer.fit(_model(args))
+    url, local = f"memory://run-{args.devices}/sequential.ckpt", args.out / "local.ckpt"
+    trainer.save_checkpoint(url)
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "reason": trainer.strategy._checkpoint_state.last_stream_reason}
+    trainer.save_checkpoint(local)
+    if trainer.global_rank == 0:
+        result["same_bytes"] = fsspec.filesystem("memory").cat_file(url) == local.read_bytes()
+    if args.devices == 1:
+        finals = []
+        for path in (url, str(local)):
+            seed_everything(19)
+            model = _model(args)
+            _trainer(args, max_steps=4).fit(model, ckpt_path=path)
+            finals.append({k: v.clone() for k, v in full_parameters(model).items()})
+        result["differences"] = differences(finals[0], finals[1])
+    return result
+
+
 def missing_bucket(args: argparse.Namespace) -> Dict[str, Any]:
     """Save into a bucket that does not exist: what every rank raises, and whether the bucket appeared."""
     _proxy()
@@ -270,6 +414,12 @@ if __name__ == "__main__":
             "missing_bucket": missing_bucket,
             "checkpoint_callback": checkpoint_callback,
             "slurm_requeue": slurm_requeue,
+            "killed_mid_upload": killed_mid_upload,
+            "after_killed_job": after_killed_job,
+            "resume_reading_hooks": resume_reading_hooks,
+            "resume_missing_range": resume_missing_range,
+            "part_size_differs": part_size_differs,
+            "sequential_store": sequential_store,
         },
         add_arguments,
     )

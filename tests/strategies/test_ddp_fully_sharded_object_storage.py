@@ -27,7 +27,8 @@ SCENARIOS = "tests.strategies.fsdp_object_storage_scenarios"
 PART_BYTES = 5 * 2**20
 #: two attempts per request, so that a part refused every time fails in seconds
 ENV = {"PL_CHECKPOINT_PART_BYTES": str(PART_BYTES), "PL_CHECKPOINT_TIMEOUT": "60"}
-BATCHES = {"two": (2, 300), "one": (1, 150)}
+#: "killed": every rank of the job kills itself mid-upload; "after": the next job, in the same directory
+BATCHES = {"two": (2, 300), "one": (1, 150), "killed": (2, 120), "after": (2, 150)}
 BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
 #: the faults of one rank's uploads, and whether the save survives them (the client retries)
 FAULTS = {"internal_error": False, "slow_down": True, "reset": True}
@@ -54,12 +55,22 @@ def runs(tmp_path_factory, s3_server, proxies) -> Iterator[ScenarioBatches]:
     for name, (devices, _) in BATCHES.items():
         batches.batch(name, devices).add(f"resume-2-{devices}", "resume_from_object", *resume)
     batches.batch("two", 2).add("resume_corrupt", "resume_corrupt", "--ckpt", f"{url}/corrupt.ckpt")
+    batches.batch("two", 2).add("reading_hooks", "resume_reading_hooks", *resume)
+    batches.batch("two", 2).add("missing_range", "resume_missing_range", *resume)
+    batches.batch("two", 2).add("part_size", "part_size_differs", "--url", url)
+    for name, (devices, _) in list(BATCHES.items())[:2]:
+        batches.batch(name, devices).add(f"sequential-{devices}", "sequential_store")
     for fault in FAULTS:
         batches.batch("two", 2).add(f"fault-{fault}", "upload_fault", "--url", url, "--fault", fault)
     batches.batch("two", 2).add("missing_bucket", "missing_bucket")
     for mode in ("sync", "async"):
         flag = ["--async-checkpoint"] if mode == "async" else []
         batches.batch("two", 2).add(f"callback-{mode}", "checkpoint_callback", "--url", url, *flag)
+    # rank 1 is gone after it: the last case of its batch
+    batches.batch("two", 2).add("rank_killed", "killed_mid_upload", "--url", url, fails=True)
+    killed = f"{url}/killed-job"
+    batches.batch("killed", 2).add("job_killed", "killed_mid_upload", "--url", killed, "--fault-rank", -1, fails=True)
+    batches.batch("after", 2).add("after_killed_job", "after_killed_job", "--url", killed)
     yield batches
 
 
@@ -80,10 +91,11 @@ def test_every_rank_uploads_its_parts_of_the_file_a_local_save_writes(runs):
     assert sum(uploaded) == size
     # every rank uploads its share, to a part: the gathered save uploads everything from rank 0
     assert all(0 < sent <= size / 2 + PART_BYTES for sent in uploaded), uploaded
-    # only rank 0 starts and completes the upload; no rank reads the object back
-    assert [record["save"].get("CompleteMultipartUpload", {}).get("requests", 0) for record in records] == [1, 0]
-    assert all(op in ("UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload", "HeadBucket")
-               for record in records for op in record["save"]), [list(r["save"]) for r in records]
+    # only rank 0 checks the bucket, looks for stale uploads, starts, marks and completes the upload (and removes
+    # its marker); no rank reads the object back
+    ops = [sorted(op for op, count in record["save"].items() if count["requests"]) for record in records]
+    rank_zero = ["CompleteMultipartUpload", "CreateMultipartUpload", "DeleteObject", "HeadBucket", "ListObjectsV2"]
+    assert ops == [sorted(rank_zero + ["PutObject", "UploadPart"]), ["UploadPart"]], ops
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)
@@ -98,8 +110,11 @@ def test_the_object_resumes_exactly(runs, devices):
         assert record["differences"] == [], record["differences"]
     size = runs.batch("two", 2).results("upload")[0]["size"]
     received = [sum(count["received"] for count in record["load"].values()) for record in records]
-    # ranged GETs only, each rank its share: before, every rank downloaded the whole object
-    assert all(op in ("GetObjectRange", "HeadObject") for r in records for op, c in r["load"].items() if c["requests"])
+    # ranged GETs only, each rank its share: before, every rank downloaded the whole object; rank 0 also looks for
+    # the uploads of killed jobs
+    ops = [{op for op, count in record["load"].items() if count["requests"]} for record in records]
+    allowed = [{"GetObjectRange", "HeadObject", "ListObjectsV2"}, {"GetObjectRange", "HeadObject"}]
+    assert all("GetObjectRange" in got and got <= most for got, most in zip(ops, allowed)), ops
     for got in received:
         assert size / devices * 0.9 < got <= size / devices * 1.1, (received, size)
 
@@ -176,3 +191,61 @@ def test_slurm_requeues_once_the_hpc_checkpoint_is_in_the_bucket(tmp_path, s3_se
     for record in records:
         first, second = record["fits"]
         assert first["received"] == 1 and second["start_step"] == SIGNALLED_BATCH + 1, record
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_a_rank_killed_mid_upload_fails_the_save_and_aborts_the_upload(runs):
+    """Rank 1 killed (``SIGKILL``) before its first part: global rank 0 raises a ``CheckpointError`` naming it within
+    ``PL_CHECKPOINT_TIMEOUT``, aborts the upload, and the previous object stays."""
+    result, out = runs.failure("rank_killed"), runs.folder("rank_killed")
+    assert result.returncode == 0, f"rank 0 did not finish:\n{result.output[-8000:]}"
+    assert not (out / "rank1.json").exists(), "rank 1 was not killed"
+    zero = json.loads((out / "rank0.json").read_text())
+    assert "failed on global rank 1: it did not reach the ranks' next exchange" in (zero["error"] or ""), zero
+    assert zero["unchanged"] is True and zero["uploads_in_progress"] == []
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_the_next_job_aborts_the_upload_of_a_job_killed_mid_upload(runs):
+    """Every rank killed mid-upload leaves an incomplete upload and its marker; the next job's resume from that
+    directory aborts the upload (its writer's process is gone) and removes the marker."""
+    assert runs.failure("job_killed").returncode == -9  # SIGKILL
+    for record in runs.batch("after", 2).results("after_killed_job"):
+        assert record["before"]["uploads"] == ["run/killed-job/killed.ckpt"], record["before"]
+        assert len(record["before"]["markers"]) == 1, record["before"]
+        assert record["after"] == {"uploads": [], "markers": []}, record["after"]
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_a_datamodule_reading_the_checkpoint_gets_the_whole_object(runs):
+    """A LightningDataModule's ``on_load_checkpoint`` reads full tensors: every rank then fetches the whole object
+    (said in one info line), and the hook sees the saved values, not the zeros of unfetched bytes."""
+    size = runs.results("upload")[0]["size"]
+    for record in runs.results("reading_hooks"):
+        assert record["same"] is True
+        assert sum(count["received"] for count in record["load"].values()) >= size
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_a_read_of_bytes_never_fetched_fails_the_resume(runs):
+    """Where the ranges fetched miss bytes the restore reads (emulated: the largest range left out), the CRC-32
+    check says so on every rank instead of resuming from zeros."""
+    for record in runs.results("missing_range"):
+        assert record["error"] is not None and "had not fetched from the object" in record["error"], record["error"]
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_every_rank_cuts_the_parts_of_rank_zero(runs):
+    """``PL_CHECKPOINT_PART_BYTES`` differs between the ranks: they use rank 0's, and the save completes."""
+    assert runs.results("part_size")[0]["same_bytes"] is True
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+@pytest.mark.parametrize("devices", [2, 1])
+def test_a_filesystem_without_multipart_uploads_gets_the_streamed_file(runs, devices):
+    """``memory://`` (sequential, like gcsfs and adlfs): streamed by global rank 0 through its scratch file, not
+    gathered; the object is the local save's file; in one process it resumes exactly."""
+    records = runs.results(f"sequential-{devices}")
+    assert records[0]["reason"] is None and records[0]["same_bytes"] is True
+    if devices == 1:
+        assert records[0]["differences"] == []
