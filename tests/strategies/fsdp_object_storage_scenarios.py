@@ -76,12 +76,13 @@ def _uploads_in_progress(url: str) -> List[str]:
 
 def upload_equals_local(args: argparse.Namespace) -> Dict[str, Any]:
     """Fit, save into ``args.url`` and into a local file; global rank 0 downloads the object and compares it with
-    the local file, byte for byte and tensor by tensor, and checks its CRC-32s (``zipfile``)."""
+    the local file, byte for byte and tensor by tensor, and checks its CRC-32s (``zipfile``). With
+    ``args.writers`` as the strategy's ``checkpoint_writers``."""
     proxy = _proxy()
     seed_everything(7)
-    trainer = _trainer(args)
+    trainer = _trainer(args, strategy=default_strategy(checkpoint_writers=args.writers))
     trainer.fit(_model(args))
-    url = f"{args.url}/upload.ckpt"
+    url = f"{args.url}/upload-{args.writers}.ckpt"
     result: Dict[str, Any] = {"rank": trainer.global_rank, "save": {}}
     with _counted(proxy, result["save"]):
         trainer.save_checkpoint(url)
@@ -104,7 +105,7 @@ def upload_equals_local(args: argparse.Namespace) -> Dict[str, Any]:
             largest = max(archive.infolist(), key=lambda info: info.file_size)
         data = bytearray(downloaded.read_bytes())
         data[largest.header_offset + 200 + largest.file_size // 2] ^= 0x10
-        fsspec.filesystem("s3").pipe_file(f"{args.url}/corrupt.ckpt", bytes(data))
+        fsspec.filesystem("s3").pipe_file(f"{args.url}/corrupt-{args.writers}.ckpt", bytes(data))
     return result
 
 
@@ -361,7 +362,8 @@ def sequential_store(args: argparse.Namespace) -> Dict[str, Any]:
     trainer.fit(_model(args))
     url, local = f"memory://run-{args.devices}/sequential.ckpt", args.out / "local.ckpt"
     trainer.save_checkpoint(url)
-    result: Dict[str, Any] = {"rank": trainer.global_rank, "reason": trainer.strategy._checkpoint_state.last_stream_reason}
+    reason = trainer.strategy._checkpoint_state.last_stream_reason
+    result: Dict[str, Any] = {"rank": trainer.global_rank, "reason": reason}
     trainer.save_checkpoint(local)
     if trainer.global_rank == 0:
         result["same_bytes"] = fsspec.filesystem("memory").cat_file(url) == local.read_bytes()
@@ -402,6 +404,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault", choices=sorted(FAULTS), default="internal_error")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--async-checkpoint", action="store_true")
+    parser.add_argument("--writers", default="auto")
 
 
 if __name__ == "__main__":

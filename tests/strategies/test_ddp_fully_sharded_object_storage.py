@@ -51,10 +51,11 @@ def runs(tmp_path_factory, s3_server, proxies) -> Iterator[ScenarioBatches]:
         batches.batch(name, devices, timeout, env)
     url = f"s3://{bucket}/run"
     saved = batches.batch("two", 2).add("upload", "upload_equals_local", "--url", url)
-    resume = ["--ckpt", f"{url}/upload.ckpt", "--local", saved / "local.ckpt"]
+    batches.batch("two", 2).add("upload-rank0", "upload_equals_local", "--url", url, "--writers", "rank0")
+    resume = ["--ckpt", f"{url}/upload-auto.ckpt", "--local", saved / "local.ckpt"]
     for name, (devices, _) in BATCHES.items():
         batches.batch(name, devices).add(f"resume-2-{devices}", "resume_from_object", *resume)
-    batches.batch("two", 2).add("resume_corrupt", "resume_corrupt", "--ckpt", f"{url}/corrupt.ckpt")
+    batches.batch("two", 2).add("resume_corrupt", "resume_corrupt", "--ckpt", f"{url}/corrupt-auto.ckpt")
     batches.batch("two", 2).add("reading_hooks", "resume_reading_hooks", *resume)
     batches.batch("two", 2).add("missing_range", "resume_missing_range", *resume)
     batches.batch("two", 2).add("part_size", "part_size_differs", "--url", url)
@@ -126,7 +127,7 @@ def test_a_flipped_bit_in_the_object_fails_the_resume_on_every_rank(runs):
     records = runs.batch("two", 2).results("resume_corrupt")
     for record in records:
         assert record["error"] is not None and "is corrupt" in record["error"], record["error"]
-        assert "corrupt.ckpt" in record["error"] and "/proc/" not in record["error"], record["error"]
+        assert "corrupt-auto.ckpt" in record["error"] and "/proc/" not in record["error"], record["error"]
         assert record["global_step"] == 2  # as restored: no step ran (fit goes to 4)
 
 
@@ -249,3 +250,13 @@ def test_a_filesystem_without_multipart_uploads_gets_the_streamed_file(runs, dev
     assert records[0]["reason"] is None and records[0]["same_bytes"] is True
     if devices == 1:
         assert records[0]["differences"] == []
+
+
+@pytest.mark.timeout(BATCHES_TIMEOUT)
+def test_checkpoint_writers_rank0_has_global_rank_0_upload_the_object_alone(runs):
+    """``checkpoint_writers="rank0"``: global rank 0 streams the save into its scratch file and uploads it alone
+    (s3fs's own upload); the object is the local save's file."""
+    records = runs.results("upload-rank0")
+    zero = records[0]
+    assert zero["reason"] is None and zero["same_bytes"] and zero["uploads_in_progress"] == []
+    assert _sent(zero) >= zero["size"] and _sent(records[1]) == 0

@@ -148,9 +148,10 @@ class _FSDPCheckpointer:
         kind = _storage_kind(filepath)
         if kind != "local":
             # the object is written by every rank in parts (S3), or copied by global rank 0 from its scratch file
+            # (other filesystems, and S3 with ``checkpoint_writers="rank0"``)
             write_units, plan = (
                 (_upload_units_by_every_rank, _plan_upload)
-                if kind == "multipart"
+                if kind == "multipart" and self._strategy.checkpoint_writers != "rank0"
                 else (_write_streamed_units_in_background, _stage_for_sequential_copy)
             )
             return _save_checkpoint_if_streamed(

@@ -7,11 +7,12 @@
   one object (:mod:`~pytorch_lightning.strategies.fsdp_parallel_upload`); global rank 0 builds the structure in a
   sparse local scratch file, and its commit completes the multipart upload (:class:`_MultipartDestination`).
 - **Sequential streams** (``"sequential"``: any other ``fsspec`` filesystem, such as ``gs://`` through gcsfs or
-  ``az://`` through adlfs): global rank 0 writes the streamed save into a local scratch file, unit by unit as
-  locally, and its commit copies the file into the destination in file order, in one write stream opened inside an
-  ``fsspec`` transaction (:class:`_SequentialDestination`): the object appears once the stream is closed, where the
-  filesystem defers it (gcsfs's and adlfs's uploads do). The data are staged through the local file, so rank 0 holds
-  about one unit in memory, as locally.
+  ``az://`` through adlfs, and S3 with ``checkpoint_writers="rank0"``, through s3fs's own upload): global rank 0
+  writes the streamed save into a local scratch file, unit by unit as locally, and its commit copies the file into
+  the destination in file order, in one write stream opened inside an ``fsspec`` transaction
+  (:class:`_SequentialDestination`): the object appears once the stream is closed, where the filesystem defers it
+  (gcsfs's, adlfs's and s3fs's uploads do). The data are staged through the local file, so rank 0 holds about one
+  unit in memory, as locally.
 
 Every rank reads from any of them by ranges (:mod:`~pytorch_lightning.strategies.fsdp_ranged_load`).
 """
