@@ -9,6 +9,7 @@ import textwrap
 import uuid
 
 import pytest
+import torch
 
 from fsdp_harness.s3_proxy import access_denied
 from fsdp_harness.s3_server import ROOT, apply_env, boto3_client
@@ -179,3 +180,15 @@ def test_a_secret_in_the_url_stays_out_of_the_error(tmp_path, s3_env, s3_bucket)
     shown = f"{info.value} {info.value.__cause__} {info.value.__context__}"
     assert secret not in shown and "wJal" not in shown, shown
     assert "AKIDEXAMPLE:***@" in str(info.value), str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_load_from_checkpoint_reads_an_object(tmp_path, s3_env, s3_bucket):
+    """``LightningModule.load_from_checkpoint`` takes an ``s3://`` URL, as in 1.6.5 (it reads the whole object)."""
+    url = f"s3://{s3_bucket}/run/a.ckpt"
+    trainer = Trainer(**quiet_trainer_kwargs(tmp_path, 1, max_steps=2, limit_val_batches=0))
+    model = BoringModel()
+    trainer.fit(model)
+    trainer.save_checkpoint(url)
+    loaded = BoringModel.load_from_checkpoint(url)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))

@@ -134,11 +134,20 @@ def resume_from_object(args: argparse.Namespace) -> Dict[str, Any]:
             trainer.fit(model, ckpt_path=path)
         finals.append({k: v.clone() for k, v in full_parameters(model).items()})
         step = trainer.global_step
+    # ``validate`` restores the model only: the optimizer state is not fetched
+    seed_everything(11)
+    model, validate = _model(args), {}
+    with _counted(proxy, validate):
+        _trainer(args).validate(model, ckpt_path=args.ckpt, verbose=False)
+    saved = load(args.local)["state_dict"]
+    restored = {k: v for k, v in full_parameters(model).items()}
     return {
         "rank": trainer.global_rank,
         "global_step": step,
         "differences": differences(finals[0], finals[1]),
         "load": counts,
+        "validate": validate,
+        "validate_differences": differences(restored, {k: saved[k] for k in restored}),
     }
 
 

@@ -103,7 +103,8 @@ def test_every_rank_uploads_its_parts_of_the_file_a_local_save_writes(runs):
 @pytest.mark.parametrize("devices", [2, 1])
 def test_the_object_resumes_exactly(runs, devices):
     """Resumed on 2 ranks and on 1, training goes on as from the local file; each rank fetches its share of the
-    object in ranged GETs (at 1 rank, the whole of it)."""
+    object in ranged GETs (at 1 rank, the whole of it); ``validate`` restores the weights, fetching no optimizer
+    state."""
     name = "two" if devices == 2 else "one"
     records = runs.batch(name, devices).results(f"resume-2-{devices}")
     for record in records:
@@ -118,6 +119,12 @@ def test_the_object_resumes_exactly(runs, devices):
     assert all("GetObjectRange" in got and got <= most for got, most in zip(ops, allowed)), ops
     for got in received:
         assert size / devices * 0.9 < got <= size / devices * 1.1, (received, size)
+    # ``validate(ckpt_path=...)`` restores the weights exactly and fetches no optimizer state (about half the file
+    # with SGD's momentum)
+    for record, got in zip(records, received):
+        assert record["validate_differences"] == [], record["validate_differences"]
+        fetched = sum(count["received"] for count in record["validate"].values())
+        assert got * 0.4 < fetched < got * 0.6, (fetched, got)
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)

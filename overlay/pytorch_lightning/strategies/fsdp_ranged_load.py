@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple, TYPE_CHECKING
 import torch
 
 from pytorch_lightning.plugins.io.torch_plugin import TorchCheckpointIO
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.strategies.fsdp_introspection import _flat_parameter_keys, _named_fsdp_instances, _shard_range
 from pytorch_lightning.utilities.checkpoint_crc import _ZipIndex
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _distributed_run
@@ -123,11 +124,16 @@ def _object_version(strategy: "DDPFullyShardedStrategy", fs: Any, url: str) -> T
 def _ranges_read(strategy: "DDPFullyShardedStrategy", checkpoint: Dict[str, Any], index: _ZipIndex) -> List[_Range]:
     """The byte ranges of the file of ``index`` that this rank reads when it loads ``checkpoint`` (loaded onto the
     meta device: each tensor's storage knows its ``_checkpoint_offset``) into the sharded model; a tensor record that
-    no dense tensor of the checkpoint lies in (a sparse tensor's) is read whole."""
+    no dense tensor of the checkpoint lies in (a sparse tensor's) is read whole. The optimizer state is read only
+    where the optimizers are restored (``fit``; not ``validate``, ``test`` or ``predict``)."""
     shards = _shard_elements(strategy, checkpoint)
+    fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
     ranges = []
     bases = set()
-    for _, tensor in _tensors_of(checkpoint, ""):
+    for key, tensor in _tensors_of(checkpoint, ""):
+        if not fitting and key.split(".", 1)[0] == "optimizer_states":
+            bases.add(getattr(tensor.untyped_storage(), "_checkpoint_offset", None))
+            continue
         storage = tensor.untyped_storage()
         base = getattr(storage, "_checkpoint_offset", None)
         if base is None:
