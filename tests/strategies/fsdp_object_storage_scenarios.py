@@ -190,7 +190,7 @@ def checkpoint_callback(args: argparse.Namespace) -> Dict[str, Any]:
     """``ModelCheckpoint`` into ``args.url`` every step, ``save_top_k=2`` by step and ``save_last=True``, saving in
     the background where ``args.async_checkpoint``: which objects are left, which threads uploaded the parts, and on
     every rank whether ``last.ckpt`` holds the final parameters."""
-    _proxy()
+    proxy = _proxy()
     threads: List[str] = []
     upload = _MultipartUpload.upload
 
@@ -208,7 +208,8 @@ def checkpoint_callback(args: argparse.Namespace) -> Dict[str, Any]:
     trainer = _trainer(args, strategy=strategy, max_steps=4, callbacks=[callback], enable_checkpointing=True)
     # a directory with an object in it: ``ModelCheckpoint`` lists it at the start (s3fs caches that listing)
     fsspec.filesystem("s3").pipe_file(f"{directory}/notes.txt", b"notes")
-    with mock.patch.object(_MultipartUpload, "upload", recording_upload):
+    counts: Dict[str, Any] = {}
+    with mock.patch.object(_MultipartUpload, "upload", recording_upload), _counted(proxy, counts):
         trainer.fit(model)
     final = full_parameters(model)
     fs = fsspec.filesystem("s3")
@@ -220,6 +221,8 @@ def checkpoint_callback(args: argparse.Namespace) -> Dict[str, Any]:
         "best_k": sorted(path.rsplit("/", 1)[1] for path in callback.best_k_models),
         "threads": sorted(set(threads)),
         "last_differences": differences({k: last[k] for k in final}, final),
+        "sent": counts.get("UploadPart", {}).get("sent", 0),
+        "saves": sum(1 for t in threads),
     }
 
 
@@ -231,7 +234,7 @@ def slurm_requeue(args: argparse.Namespace) -> Dict[str, Any]:
     os.environ["FAKE_SCONTROL_LOG"] = str(args.out)
     (args.out / "pids").mkdir(parents=True, exist_ok=True)
     (args.out / "pids" / f"task{os.environ['SLURM_PROCID']}").write_text(str(os.getpid()))
-    _proxy()
+    proxy = _proxy()
     fits = []
     for seed, signaller in ((1, Signaller(args.out, in_batch=SIGNALLED_BATCH)), (2, Signaller(args.out))):
         seed_everything(seed)
@@ -239,8 +242,17 @@ def slurm_requeue(args: argparse.Namespace) -> Dict[str, Any]:
         strategy = default_strategy(async_checkpoint=True)
         options = dict(default_root_dir=root, callbacks=[signaller, restored], max_steps=-1, max_epochs=seed)
         trainer = _trainer(args, strategy=strategy, **options)
-        trainer.fit(FSDPModel(width=16, units=3, batches=BATCHES))
-        fits.append({"received": len(signaller.received), "start_step": restored.step, "end": trainer.global_step})
+        counts: Dict[str, Any] = {}
+        with _counted(proxy, counts):
+            trainer.fit(FSDPModel(width=args.width, units=3, batches=BATCHES))
+        fits.append(
+            {
+                "received": len(signaller.received),
+                "start_step": restored.step,
+                "end": trainer.global_step,
+                "uploaded_parts": counts.get("UploadPart", {}).get("requests", 0),
+            }
+        )
     return {"rank": trainer.global_rank, "fits": fits}
 
 

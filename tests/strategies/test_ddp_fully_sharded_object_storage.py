@@ -177,6 +177,9 @@ def test_model_checkpoint_keeps_the_top_k_and_last_in_the_bucket(runs, mode):
         assert record["objects"] == expected, record["objects"]
         assert record["last_differences"] == [], record["last_differences"]
         assert record["threads"] == ([WRITER_THREAD] if mode == "async" else ["MainThread"]), record["threads"]
+    # every rank uploaded its share of every save (4 checkpoints and last.ckpt): the gathered save sent all from rank 0
+    sent = [record["sent"] for record in records]
+    assert all(0.3 * sum(sent) < got < 0.7 * sum(sent) for got in sent), sent
 
 
 @RunIf(skip_windows=True)
@@ -199,6 +202,8 @@ def test_slurm_requeues_once_the_hpc_checkpoint_is_in_the_bucket(tmp_path, s3_se
     for record in records:
         first, second = record["fits"]
         assert first["received"] == 1 and second["start_step"] == SIGNALLED_BATCH + 1, record
+        # every rank uploaded parts of the HPC checkpoint (the gathered save uploads from rank 0 alone)
+        assert first["uploaded_parts"] > 0, record
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)

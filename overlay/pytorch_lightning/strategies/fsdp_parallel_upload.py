@@ -9,8 +9,9 @@ central directory).
 
 1. Every rank computes the CRC-32 of its own bytes; rank 0 gathers them (a few integers per piece) and writes the
    records' CRC-32s into the structure, which is then final.
-2. The object is cut into parts (:func:`~pytorch_lightning.utilities.multipart_upload._part_size`); each part is
-   uploaded by the rank that holds most of its bytes. The ranks go through the parts in rounds: in each round every
+2. The object is cut into parts of at most
+   :func:`~pytorch_lightning.utilities.multipart_upload._part_size` bytes, where the ranks' runs of bytes meet
+   (:func:`_parts`); each part is uploaded by the rank that holds most of its bytes. The ranks go through the parts in rounds: in each round every
    rank takes its next :data:`PARTS_IN_FLIGHT` parts, receives the bytes of them it does not hold from their holders
    over the checkpoint group (one message per part and holder, straight into the part where it is one segment), and
    uploads them concurrently. So a rank holds at most ``PARTS_IN_FLIGHT`` parts of its own, and what it receives or
@@ -23,6 +24,7 @@ The object is the file a local save writes, byte for byte. The hook is the check
 a path on an S3 filesystem (s3fs).
 """
 # fork-feature: fork/object-storage-checkpoints.patch
+import bisect
 import os
 from functools import partial
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, TYPE_CHECKING
@@ -54,7 +56,13 @@ from pytorch_lightning.utilities.checkpoint_location import _prepare_checkpoint_
 from pytorch_lightning.utilities.checkpoint_storage import _MultipartDestination
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
-from pytorch_lightning.utilities.multipart_upload import _MultipartUpload, _part_size, _UploadedPart
+from pytorch_lightning.utilities.multipart_upload import (
+    _MultipartUpload,
+    _part_size,
+    _UploadedPart,
+    S3_MAX_PARTS,
+    S3_MIN_PART_BYTES,
+)
 from pytorch_lightning.utilities.streamed_checkpoint_file import (
     _committed_if_complete,
     _memory_of,
@@ -215,7 +223,7 @@ def _upload_own_parts(
                 for e in share.extents
                 if e.rank == share.rank
             ]
-            parts = _parts(plan.size, plan.part_bytes, _cover(share.extents, plan.size))
+            parts = _parts(plan.size, plan.part_bytes, _cover(share.extents, plan.size), share.world_size)
     if not guard.agree():
         return []
     _send_crcs_to_writer(pieces, writer, group)
@@ -276,28 +284,49 @@ def _cover(extents: List[_Extent], size: int) -> List[_Extent]:
     return cover
 
 
-def _parts(size: int, part_bytes: int, cover: List[_Extent]) -> List[_Part]:
-    """The parts of ``part_bytes`` (the last one shorter) of the object of ``size`` bytes that ``cover`` covers,
-    each with its segments and the rank holding most of its bytes as its owner (the lowest of equals)."""
-    segments: List[List[_Extent]] = [[] for _ in range(max(1, -(-size // part_bytes)))]
+def _parts(size: int, part_bytes: int, cover: List[_Extent], world_size: int) -> List[_Part]:
+    """The parts of the object of ``size`` bytes that ``cover`` covers, each with its segments and its owner, one of
+    the ``world_size`` ranks.
+
+    A part ends where the holder of the bytes changes, once it holds S3's least part (5 MiB, more where 10,000
+    parts would not hold the object), and is at most ``part_bytes``: where the ranks' runs of bytes are that long,
+    most parts hold one rank's bytes, which that rank uploads without receiving any. The owner of a part is the
+    rank holding most of its bytes (the lowest of equals), unless that rank already owns its share of the object
+    (``size / world_size``): then the holder that owns least. So each rank uploads about its share also where the
+    runs are shorter than a part and every part holds several ranks' bytes (4 ranks and shards of 4 MiB). (Parts
+    cut at fixed offsets, each to the rank with most of its bytes, gave one rank nearly every part.)"""
+    least = min(part_bytes, max(S3_MIN_PART_BYTES, -(-size // (S3_MAX_PARTS - 1))))
+    cuts = [0]
+    for i, extent in enumerate(cover):
+        end = extent.offset + extent.nbytes
+        while end - cuts[-1] > part_bytes:
+            cuts.append(cuts[-1] + part_bytes)
+        if i + 1 < len(cover) and cover[i + 1].rank != extent.rank and end - cuts[-1] >= least:
+            cuts.append(end)
+    if cuts[-1] < size:
+        cuts.append(size)
+    segments: List[List[_Extent]] = [[] for _ in range(len(cuts) - 1)]
     for extent in cover:
         end = extent.offset + extent.nbytes
         position = extent.offset
         while position < end:
-            index = position // part_bytes
-            cut = min(end, (index + 1) * part_bytes)
+            index = bisect.bisect_right(cuts, position) - 1
+            cut = min(end, cuts[index + 1])
             segments[index].append(
                 extent._replace(offset=position, nbytes=cut - position, at=extent.at + position - extent.offset)
             )
             position = cut
-    parts = []
+    parts, owned, share = [], [0] * world_size, size / world_size
     for index, part_segments in enumerate(segments):
         held: Dict[int, int] = {}
         for segment in part_segments:
             held[segment.rank] = held.get(segment.rank, 0) + segment.nbytes
         owner = min(held, key=lambda rank: (-held[rank], rank)) if held else 0
-        offset = index * part_bytes
-        parts.append(_Part(index + 1, offset, min(part_bytes, size - offset), owner, part_segments))
+        if owned[owner] >= share:
+            owner = min(held, key=lambda rank: (owned[rank], -held[rank], rank))
+        nbytes = cuts[index + 1] - cuts[index]
+        owned[owner] += nbytes
+        parts.append(_Part(index + 1, cuts[index], nbytes, owner, part_segments))
     return parts
 
 

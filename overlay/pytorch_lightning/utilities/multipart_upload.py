@@ -11,6 +11,7 @@ S3's rules: every part but the last is at least 5 MiB, a part is at most 5 GiB, 
 """
 # fork-feature: fork/object-storage-checkpoints.patch
 import asyncio
+import io
 import os
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
@@ -105,7 +106,7 @@ class _MultipartUpload(NamedTuple):
                         Key=self.key,
                         UploadId=self.upload_id,
                         PartNumber=number,
-                        Body=body,
+                        Body=_reader_of(body),
                     )
                     for number, body in parts
                 ),
@@ -142,6 +143,41 @@ class _MultipartUpload(NamedTuple):
 
     def __str__(self) -> str:
         return f"the multipart upload of {_redacted(self.url)}"
+
+
+class _MemoryReader(io.RawIOBase):
+    """A seekable file over a buffer, without a copy of it."""
+
+    def __init__(self, buffer: Any) -> None:
+        super().__init__()
+        self._view, self._position = memoryview(buffer).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, out: Any) -> int:
+        size = min(len(out), len(self._view) - self._position)
+        out[:size] = self._view[self._position : self._position + size]
+        self._position += size
+        return size
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+def _reader_of(body: Any) -> io.BufferedReader:
+    """``body`` as a file: botocore and aiohttp then read it in chunks (for its checksum, and to send it), where a
+    bytes-like body is copied whole on its way into the socket (73 MiB for two parts of 16 MiB in flight, against
+    4 MiB)."""
+    return io.BufferedReader(_MemoryReader(body), 2**20)
 
 
 def _uploaded_part(number: int, answer: Dict[str, Any]) -> _UploadedPart:
