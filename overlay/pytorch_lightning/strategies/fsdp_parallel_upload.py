@@ -9,9 +9,9 @@ central directory).
 
 1. Every rank computes the CRC-32 of its own bytes; rank 0 gathers them (a few integers per piece) and writes the
    records' CRC-32s into the structure, which is then final.
-2. The object is cut into parts of at most
-   :func:`~pytorch_lightning.utilities.multipart_upload._part_size` bytes, where the ranks' runs of bytes meet
-   (:func:`_parts`); each part is uploaded by the rank that holds most of its bytes. The ranks go through the parts in rounds: in each round every
+2. The object is cut into parts of at most :func:`~pytorch_lightning.utilities.multipart_upload._part_size` bytes,
+   where the ranks' runs of bytes meet, and each part goes to the rank that holds most of its bytes, as long as
+   every rank uploads about its share (:func:`_parts`). The ranks go through the parts in rounds: in each round every
    rank takes its next :data:`PARTS_IN_FLIGHT` parts, receives the bytes of them it does not hold from their holders
    over the checkpoint group (one message per part and holder, straight into the part where it is one segment), and
    uploads them concurrently. So a rank holds at most ``PARTS_IN_FLIGHT`` parts of its own, and what it receives or
