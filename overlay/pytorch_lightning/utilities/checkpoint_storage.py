@@ -9,9 +9,9 @@
 - **Sequential streams** (``"sequential"``: any other ``fsspec`` filesystem, such as ``gs://`` through gcsfs or
   ``az://`` through adlfs, and S3 with ``checkpoint_writers="rank0"``, through s3fs's own upload): global rank 0
   writes the streamed save into a local scratch file, unit by unit as locally, and its commit copies the file into
-  the destination in file order, in one write stream opened inside an ``fsspec`` transaction
-  (:class:`_SequentialDestination`): the object appears once the stream is closed, where the filesystem defers it
-  (gcsfs's, adlfs's and s3fs's uploads do). The data are staged through the local file, so rank 0 holds about one
+  the destination in file order, in one write stream closed only once the copy is complete
+  (:class:`_SequentialDestination`): the object appears at that close, where the filesystem's upload defers it
+  (gcsfs's, adlfs's and s3fs's do). The data are staged through the local file, so rank 0 holds about one
   unit in memory, as locally.
 
 Every rank reads from any of them by ranges (:mod:`~pytorch_lightning.strategies.fsdp_ranged_load`).
@@ -83,23 +83,27 @@ class _MultipartDestination:
 
 
 class _SequentialDestination:
-    """Where global rank 0's scratch file goes on a filesystem without multipart uploads: :meth:`publish` copies it
-    into ``path`` on ``fs`` in one stream, inside an ``fsspec`` transaction where the filesystem can defer the write
-    (else directly, as Lightning 1.6.5 wrote remote files)."""
+    """Where global rank 0's scratch file goes on a filesystem without the fork's multipart uploads: :meth:`publish`
+    copies it into ``path`` on ``fs`` through one file opened for writing, in blocks of :data:`_COPY_BYTES`, and
+    closes that file only once the whole copy is written: an object store's upload (s3fs's, gcsfs's, adlfs's)
+    makes the object appear at that close, and a copy that fails is discarded instead (``discard()``, which aborts
+    the upload), never closed. (An ``fsspec`` transaction would do the same, but s3fs then holds the file's blocks in
+    memory until it ends: 240 MiB for a 288 MiB file, measured, against 48 MiB.)"""
 
     def __init__(self, fs: AbstractFileSystem, path: str) -> None:
         self.fs, self.path = fs, path
 
     def publish(self, scratch_path: str) -> None:
-        with open(scratch_path, "rb") as source:
-            if getattr(self.fs, "_intrans", False):
-                return self._copy(source)
-            with self.fs.transaction:
-                self._copy(source)
-
-    def _copy(self, source: Any) -> None:
-        with self.fs.open(self.path, "wb") as target:
-            shutil.copyfileobj(source, target, _COPY_BYTES)
+        target = self.fs.open(self.path, "wb", block_size=_COPY_BYTES)
+        try:
+            with open(scratch_path, "rb") as source:
+                shutil.copyfileobj(source, target, _COPY_BYTES)
+        except BaseException:
+            discard = getattr(target, "discard", None)
+            if callable(discard):
+                discard()
+            raise
+        target.close()
         log.debug(f"Copied the checkpoint into {_redacted(self.path)}.")
 
     def abandon(self) -> None:
