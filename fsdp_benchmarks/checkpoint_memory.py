@@ -22,6 +22,14 @@ the shape of issue 38: F, the file, about 288 MiB with SGD's momentum). ``--repe
 times at each N, in alternating order, and adds a table of the medians of the save time, of the time outside the
 checkpoint's writes and syncs (:mod:`fsdp_benchmarks.checkpoint_io_meter` sums it), and of their ratio to the torch
 DCP peer's with the same optimizer.
+
+The remote configurations (``storage="s3"`` in :mod:`fsdp_benchmarks.configs`) run in the same invocation: when one
+is selected, the runner starts one moto server (:mod:`fsdp_harness.s3_server`) and one bucket for the whole
+invocation, and for each run a fresh proxy per rank (:mod:`fsdp_harness.s3_proxy`), so that each rank's counts of the
+bytes it sent to and received from the server are that run's alone. The checkpoint is
+``s3://<bucket>/run<R>/<config>-n<N>.ckpt`` (the DCP peer's a ``.dcp`` directory of objects). A further table gives,
+per remote configuration and N, the slowest rank's save and resume times, the largest rank's extra memory in F (the
+checkpoint's size), and per rank the bytes sent while saving and received while resuming in F/N.
 """
 import argparse
 import json
@@ -31,8 +39,9 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Optional
 
 if not __package__:
     # Started as a file: Python put this folder, not the repository root, first on sys.path, so neither this
@@ -118,27 +127,93 @@ def resolve_accelerator(choice: str, world_size: int) -> str:
     return "gpu" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
 
 
+class ObjectStorage:
+    """The invocation's S3 server (moto's, :mod:`fsdp_harness.s3_server`, S3's 5 MiB minimum part) and bucket, started
+    only when a remote configuration is selected; :meth:`ranks_env` starts a fresh proxy per rank for one run."""
+
+    def __init__(self) -> None:
+        from fsdp_harness.s3_server import make_bucket, rank_endpoints_env, start_s3_server
+
+        # What the ranks' S3 clients must not see (another endpoint, a profile, other credentials) is removed from
+        # this process's environment, which every rank inherits: the runner passes variables to set, not to remove.
+        for name, value in rank_endpoints_env(["http://127.0.0.1:1"]).items():
+            if value is None:
+                os.environ.pop(name, None)
+        self.server = start_s3_server()
+        self.bucket = make_bucket(self.server.endpoint)
+
+    def url(self, config: registry.BenchConfig, world_size: int, repeat: int) -> str:
+        suffix = ".dcp" if config.scenario == "dcp_save_and_resume" else ".ckpt"
+        return f"s3://{self.bucket}/run{repeat}/{config.name}-n{world_size}{suffix}"
+
+    @contextmanager
+    def ranks_env(self, world_size: int) -> Iterator[Dict[str, str]]:
+        """The environment of one run's ranks: each rank's clients reach the server through a proxy of its own,
+        started here and stopped after the run, so its counts hold that run's bytes only."""
+        from fsdp_harness.s3_proxy import start_proxy
+        from fsdp_harness.s3_server import rank_endpoints_env
+
+        proxies = []
+        try:
+            for _ in range(world_size):
+                proxies.append(start_proxy(self.server.endpoint, []))
+            env = rank_endpoints_env([proxy.endpoint for proxy in proxies])
+            yield {name: value for name, value in env.items() if value is not None}
+        finally:
+            for proxy in proxies:
+                proxy.stop()
+
+    def close(self) -> None:
+        from fsdp_harness.s3_server import remove_bucket
+
+        try:
+            remove_bucket(self.server.endpoint, self.bucket)
+        finally:
+            self.server.stop()
+
+    def describe(self) -> str:
+        from importlib import metadata
+
+        part = os.environ.get("PL_CHECKPOINT_PART_BYTES")
+        return (
+            f"moto {metadata.version('moto')} server on the loopback (minimum part {self.server.min_part_size} bytes),"
+            " one fsdp_harness.s3_proxy per rank per run counting the bytes each rank sends to and receives from it;"
+            f" the fork's part size {'PL_CHECKPOINT_PART_BYTES=' + part if part else 'by default'}"
+        )
+
+
 def run_one(
-    config: str, world_size: int, args: argparse.Namespace, out: Path, build: lightning_builds.Build, repeat: int = 0
+    config: str, world_size: int, args: argparse.Namespace, out: Path, build: lightning_builds.Build, repeat: int = 0,
+    storage: Optional[ObjectStorage] = None,
 ) -> Dict[str, Any]:
     run_dir = out / (f"{config}-n{world_size}" + (f"-r{repeat}" if repeat else ""))
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     accelerator = resolve_accelerator(args.accelerator, world_size)
+    bench = registry.by_name(config)
     worker_args = [
         "save_and_resume", "--config", config, "--out", str(run_dir), "--devices", str(world_size),
         "--size-mb", str(args.size_mb), *_shape_arguments(args),
-        "--optimizer", registry.by_name(config).optimizer or args.optimizer, "--accelerator", accelerator,
+        "--optimizer", bench.optimizer or args.optimizer, "--accelerator", accelerator,
     ]
     if args.write_mbps:
         worker_args += ["--write-mbps", str(args.write_mbps)]
-    env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **registry.by_name(config).env}
+    env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **bench.env}
     timeout = args.timeout or 180 + 1.0 * args.size_mb * world_size
     if args.write_mbps:
         # at the cap, rank 0 writes the checkpoint (up to 3 x S with Adam) twice when a streamed save is checked
         # against a gathered one (1 MiB is 1.05 MB)
         timeout += 2 * 3 * args.size_mb * 1.05 / args.write_mbps
-    result = start_ranks(registry.by_name(config), worker_args, world_size, timeout, env, build)
+    if bench.remote:
+        assert storage is not None, "a remote configuration runs with the invocation's ObjectStorage"
+        worker_args += ["--ckpt-url", storage.url(bench, world_size, repeat)]
+        if not args.timeout:
+            # the object goes through a proxy and moto, both Python, and rank 0 downloads it for the checks
+            timeout += 2.0 * args.size_mb * world_size
+        with storage.ranks_env(world_size) as s3_env:
+            result = start_ranks(bench, worker_args, world_size, timeout, {**env, **s3_env}, build)
+    else:
+        result = start_ranks(bench, worker_args, world_size, timeout, env, build)
     (run_dir / "output.log").write_text(result.output)
     ranks, missing = [], []
     for rank in range(world_size):
@@ -162,7 +237,8 @@ def run_one(
         )
         print(f"  {config} N={world_size}: FAILED: {detail}", flush=True)
         return report.failed_run(config, world_size, args.size_mb, detail)
-    run = report.make_run(config, world_size, ranks, complete=registry.by_name(config).complete)
+    run = report.make_run(config, world_size, ranks, complete=bench.complete)
+    run["storage"] = bench.storage
     run["wall_seconds"] = result.seconds
     run["write_mbps"] = args.write_mbps
     for path in [] if args.keep_checkpoints else run_dir.glob("*.ckpt"):
@@ -238,8 +314,14 @@ def main(argv: List[str] = None) -> int:
     configs = [c for c in args.configs if c not in skipped]
     total = len(args.devices) * len(configs) * args.repeat
     start = time.monotonic()
+    storage: Optional[ObjectStorage] = None
+    storage_description = None
     try:
         builds = lightning_builds.prepare((registry.by_name(c).build for c in configs), out)
+        if any(registry.by_name(c).remote for c in configs):
+            storage = ObjectStorage()
+            storage_description = storage.describe()
+            print(f"object storage: {storage_description}", flush=True)
         for world_size in args.devices:
             # every repeat runs the configurations in the other order, so none is always first after a quiet spell
             for repeat in range(args.repeat):
@@ -247,7 +329,9 @@ def main(argv: List[str] = None) -> int:
                     print(f"[{len(runs) + 1}/{total}] {config}, N={world_size}, S={args.size_mb:g} MiB,"
                           f" K={args.units}, {registry.by_name(config).optimizer or args.optimizer}: running...",
                           flush=True)
-                    run = run_one(config, world_size, args, out, builds[registry.by_name(config).build], repeat)
+                    run = run_one(
+                        config, world_size, args, out, builds[registry.by_name(config).build], repeat, storage
+                    )
                     run["repeat"] = repeat
                     runs.append(run)
                     if run["ranks"]:
@@ -258,7 +342,8 @@ def main(argv: List[str] = None) -> int:
                               f" ok={run['ok']}, {run['wall_seconds']:.0f} s", flush=True)
         if args.fit_every:
             for world_size in args.devices:
-                lightning = [c for c in configs if registry.by_name(c).lightning]  # the DCP peer has no fit
+                # the DCP peer has no fit, and the remote configurations' fits would need a proxy per rank
+                lightning = [c for c in configs if registry.by_name(c).lightning and not registry.by_name(c).remote]
                 plan = [(lightning[0], 0)] + [(c, args.fit_every) for c in lightning] if lightning else []
                 for config, every in plan:
                     print(
@@ -266,6 +351,8 @@ def main(argv: List[str] = None) -> int:
                     )
                     fits.append(fit_one(config, world_size, every, args, out, builds[registry.by_name(config).build]))
     finally:
+        if storage is not None:
+            storage.close()
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
     # the first of the repeats in the tables and plot of one run per configuration and N; all in the medians
@@ -282,6 +369,9 @@ def main(argv: List[str] = None) -> int:
     if report.crc_cost_table(runs):
         print()
         print(report.crc_cost_table(runs))
+    if report.remote_table(first):
+        print()
+        print(report.remote_table(first))
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
     if fits:
@@ -309,6 +399,7 @@ def main(argv: List[str] = None) -> int:
         "python": platform.python_version(),
         "versions": _versions(),
         "malloc_mmap_threshold": MMAP_THRESHOLD,
+        "object_storage": storage_description,
         "memory": (
             "save: anonymous + mapped file pages; resume: anonymous, mapped file pages beside it (node: largest rank)"
         ),

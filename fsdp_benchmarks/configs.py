@@ -26,6 +26,10 @@ FSDP2 and ``dcp.save``/``dcp.load`` on the same model shape and ranks, no Lightn
 starts itself. A fork-build configuration whose ``strategy_kwargs`` the build's ``DDPFullyShardedStrategy`` does not
 take (``checkpoint_writers`` before the parallel save exists) is skipped by the runner with a "not in this build"
 note (:func:`missing_arguments`).
+
+``storage`` says where the checkpoint goes: ``"local"`` (a file, or DCP's directory, in the run's folder) or ``"s3"``
+(an object, or DCP's directory of objects, ``s3://<bucket>/<run>/<config>-n<N>.ckpt``, on a moto server the runner
+starts for the invocation, each rank through its own byte-counting proxy: see :mod:`fsdp_benchmarks.checkpoint_memory`).
 """
 import inspect
 from dataclasses import dataclass, field
@@ -53,6 +57,13 @@ class BenchConfig:
     #: ``False`` only measures what they cost: saves leave the CRC fields 0, as revisions <= 110 did, and resumes
     #: check nothing (``PL_CHECKPOINT_VERIFY=0``)
     record_crcs: bool = True
+    #: where the checkpoint goes: ``"local"`` (the run's folder) or ``"s3"`` (the invocation's moto server)
+    storage: str = "local"
+
+    @property
+    def remote(self) -> bool:
+        """Whether the checkpoint goes to object storage (``s3://``), through a proxy per rank that counts its bytes."""
+        return self.storage == "s3"
 
     @property
     def lightning(self) -> bool:
@@ -124,6 +135,24 @@ _DCP_PEER = (
     " rank plus metadata, not one torch.save file"
 )
 
+_FORK_S3 = (
+    "the fork's default save on S3 (stream_checkpoint=True, checkpoint_writers left at 'auto'): one object, a"
+    " multipart upload that global rank 0 starts and completes, every rank uploading the parts it holds most of; the"
+    " resume fetches each rank's own byte ranges (ranged GETs)"
+)
+_FORK_S3_RANK0 = (
+    "on S3, global rank 0 alone writes the object (checkpoint_writers='rank0'): it streams the save into a local"
+    " scratch file while the units are gathered and copies that into the object; the resume as fork-s3's"
+)
+_FORK_S3_ASYNC = (
+    "the fork's default save on S3 in the background (async_checkpoint=True): training waits while each rank copies"
+    " its shards to host memory, then every rank's thread uploads its parts of the one object; measured inside fit"
+)
+_DCP_S3 = (
+    "the peer on S3: torch DCP with FSDP2 as dcp-fsdp2, dcp.save/dcp.load through torch's FsspecWriter/FsspecReader"
+    " (s3fs) into an s3:// directory: one object per rank plus the metadata object"
+)
+
 _NO_CRC = (
     ", without CRC-32s: not a setting users have, it only measures what they cost (the save leaves the records'"
     " CRC fields 0, as fork revisions <= 110 did; the resume checks nothing)"
@@ -184,6 +213,12 @@ CONFIGS: List[BenchConfig] = [
         "fork-parallel-adam-no-crc", f"{_FORK_PARALLEL}; Adam{_NO_CRC}", _PARALLEL, optimizer="adam", record_crcs=False
     ),
     BenchConfig("fork-stream-no-crc", f"{_FORK_STREAMED}{_NO_CRC}", _STREAMED, record_crcs=False),
+    BenchConfig("fork-s3", _FORK_S3, {"stream_checkpoint": True}, storage="s3"),
+    BenchConfig(
+        "fork-s3-rank0", _FORK_S3_RANK0, {"stream_checkpoint": True, "checkpoint_writers": "rank0"}, storage="s3"
+    ),
+    BenchConfig("fork-s3-async", _FORK_S3_ASYNC, {"stream_checkpoint": True, "async_checkpoint": True}, storage="s3"),
+    BenchConfig("dcp-fsspec-s3", _DCP_S3, scenario=_DCP, storage="s3"),
 ]
 
 

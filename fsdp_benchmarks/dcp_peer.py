@@ -21,11 +21,17 @@ Every rank:
 
 So it is measured exactly like the fork's configurations, but its checkpoint is a directory (one file per rank plus
 metadata), not one ``torch.save`` file.
+
+A remote configuration (``dcp-fsspec-s3``) saves into the directory ``--ckpt-url`` (``s3://...``) through torch's
+``FsspecWriter`` and loads through its ``FsspecReader`` (s3fs underneath, one object per rank plus ``.metadata``),
+each rank through its own proxy, which counts the bytes it sends to and receives from the server in the measured
+save and load (:class:`fsdp_benchmarks.worker.ServerTraffic`), with its S3 client made before, as the fork's ranks
+make theirs (:func:`fsdp_benchmarks.worker.warm_up_client`). The sizes are then those of the objects.
 """
 import argparse
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_benchmarks.checkpoint_io_meter import CheckpointIOMeter
 from fsdp_benchmarks.model import STATE_SLOTS, CheckpointModel
-from fsdp_benchmarks.worker import describe_run
+from fsdp_benchmarks.worker import ServerTraffic, describe_run, remote_traffic, warm_up_client
 from fsdp_harness.memory_sampler import MIB, PeakMemory
 from fsdp_harness.tensor_compare import compare_tensors, iter_tensors
 from pytorch_lightning import seed_everything
@@ -86,12 +92,46 @@ def _files_of(directory: Path, rank: int) -> int:
     return sum(p.stat().st_size for p in directory.glob(f"__{rank}_*.distcp"))
 
 
+class _Remote:
+    """The checkpoint's directory of objects: DCP's fsspec writer and reader of it, and its objects' sizes."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs = fsspec.filesystem("s3")
+
+    def writer(self) -> Any:
+        # not exported by torch.distributed.checkpoint in every torch version: its own module has it
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(self.url)
+
+    def reader(self) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(self.url)
+
+    def sizes(self) -> Dict[str, int]:
+        self.fs.invalidate_cache()
+        return {path.rsplit("/", 1)[1]: info["size"] for path, info in self.fs.find(self.url, detail=True).items()}
+
+    def remove(self) -> None:
+        if self.fs.exists(self.url):
+            self.fs.rm(self.url, recursive=True)
+
+
 def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> Dict[str, Any]:
+    server: Optional[ServerTraffic] = remote_traffic(args)  # before any S3 client: it picks this rank's proxy
+    client_setup = warm_up_client(args.ckpt_url) if server is not None else None  # as the fork's ranks do
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     directory = Path(args.ckpt_dir or args.out) / f"{args.config}-n{args.devices}.dcp"
+    remote = _Remote(args.ckpt_url) if server is not None else None
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
+        if remote is not None:
+            remote.remove()
     dist.barrier()
     model, optimizer = _sharded(args)
     shape = describe_run(args, rank, model, "cpu", meter.write_mbps)
@@ -99,11 +139,21 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
 
     dist.barrier()
     before = meter.snapshot()
+    server_before = server.snapshot() if server is not None else {}
     with PeakMemory() as save_meter:
-        dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
+        if remote is not None:
+            dcp.save(_state(model, optimizer), storage_writer=remote.writer())
+        else:
+            dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
     save = {**save_meter.result(), **meter.since(before)}
+    if server is not None:
+        save.update(server.since(server_before))
     dist.barrier()
-    save["files_bytes"] = _files_of(directory, rank)  # cross-check of the meter: the sizes of this rank's own files
+    # cross-check of the meter (remote: of the proxy's count): the sizes of this rank's own files
+    if remote is not None:
+        save["files_bytes"] = sum(size for name, size in remote.sizes().items() if name.startswith(f"__{rank}_"))
+    else:
+        save["files_bytes"] = _files_of(directory, rank)
     expected = _local(_state(model, optimizer))
     parameters = sum(p.numel() for p in model.parameters())  # DTensor: the full parameter's count
     del model, optimizer
@@ -111,12 +161,18 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
     model, optimizer = _sharded(args)
     dist.barrier()
     before = meter.snapshot()
+    server_before = server.snapshot() if server is not None else {}
     with PeakMemory() as load_meter:
         state = _state(model, optimizer)
-        dcp.load(state, checkpoint_id=str(directory))
+        if remote is not None:
+            dcp.load(state, storage_reader=remote.reader())
+        else:
+            dcp.load(state, checkpoint_id=str(directory))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         del state
     load = {**load_meter.result(), "bytes_read": meter.snapshot()["bytes_read"] - before["bytes_read"]}
+    if server is not None:
+        load.update(server.since(server_before))
     dist.barrier()
 
     check = compare_tensors(expected, _local(_state(model, optimizer)))
@@ -130,13 +186,16 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
         "save": save,
         "load": load,
     }
+    if client_setup is not None:
+        result["client_setup"] = client_setup
     if rank == 0:
         optimizer_values = int(totals[0])
         expected_values = parameters * STATE_SLOTS[args.optimizer]
         mismatches = [path for paths in mismatched for path in paths]
         tensor_check = {"compared": int(totals[2]), "mismatched": mismatches, "ok": not mismatches}
+        sizes = remote.sizes().values() if remote is not None else [p.stat().st_size for p in directory.iterdir()]
         result.update(
-            checkpoint_mb=sum(p.stat().st_size for p in directory.iterdir()) / MIB,
+            checkpoint_mb=sum(sizes) / MIB,
             save_check={
                 "mismatched": [], "optimizer_state_values": optimizer_values,
                 "optimizer_state_expected": expected_values,
@@ -149,4 +208,6 @@ def dcp_save_and_resume(args: argparse.Namespace, meter: CheckpointIOMeter) -> D
     dist.barrier()
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
+        if remote is not None:
+            remote.remove()  # the server keeps every object until the invocation ends
     return result

@@ -11,6 +11,13 @@ JSON too. ``node_save_x_s`` / ``node_load_x_s`` are the node save (anon + file) 
 the checkpoint's tensors the strategy's loads read (:mod:`fsdp_harness.checkpoint_reads`), and for the torch DCP
 peer the bytes its file reads returned (the meter). A run's ``write_mbps`` is set when the writes were throttled, an
 emulated per-rank link, never a measured one.
+
+A remote configuration's ranks (``storage`` ``"s3"``) also have ``save_server_sent``/``save_server_received`` and
+``load_server_sent``/``load_server_received``: the bytes the rank sent to and received from the S3 server in the
+measured save and resume, as its own proxy counted them (request and response bodies; what the ranks exchange over
+gloo is not among them), with ``*_server_requests`` and, per S3 operation, ``*_server_by_op``; and
+``client_setup_peak_extra_anon_file_mb``/``client_setup_seconds``: making the rank's S3 client before the fit, outside
+the measured windows (a job pays it once).
 """
 import json
 from statistics import median as _median
@@ -23,7 +30,8 @@ from typing import Any, Dict, List, Optional
 #: exists in GPU mode only.
 _RANK_FIELDS = ("peak_extra_mb", "peak_extra_anon_file_mb", "peak_extra_file_mb", "seconds", "sample_hz",
                 "cuda_max_allocated_mb", "stall_seconds", "first_stall_seconds", "bytes_read", "collective_bytes",
-                "unit_gathers", "state_seconds", "bytes_written", "files_bytes", "io_seconds", "crc_seconds")
+                "unit_gathers", "state_seconds", "bytes_written", "files_bytes", "io_seconds", "crc_seconds",
+                "server_sent", "server_received", "server_requests", "server_by_op")
 MIB = 1024 * 1024
 
 
@@ -33,6 +41,9 @@ def _rank_row(r: Dict[str, Any]) -> Dict[str, Any]:
         for field in _RANK_FIELDS:
             if field in r[phase]:
                 row[prefix + field] = r[phase][field]
+    for field in ("peak_extra_anon_file_mb", "seconds"):
+        if field in r.get("client_setup", {}):
+            row[f"client_setup_{field}"] = r["client_setup"][field]
     return row
 
 
@@ -168,8 +179,9 @@ def table(runs: List[Dict[str, Any]]) -> str:
 
 
 def _synchronous_twin(config: str) -> str:
-    # ``fork-async`` against ``fork-stream``, ``fork-async-adam`` against ``fork-stream-adam``
-    return config.replace("fork-async", "fork-stream")
+    # ``fork-async`` against ``fork-stream``, ``fork-async-adam`` against ``fork-stream-adam``, ``fork-s3-async``
+    # against ``fork-s3``
+    return config.replace("fork-async", "fork-stream").replace("fork-s3-async", "fork-s3")
 
 
 def stall_table(runs: List[Dict[str, Any]]) -> str:
@@ -245,7 +257,8 @@ def median_save_table(runs: List[Dict[str, Any]]) -> str:
     for (config, n), group in groups.items():
         peer = next(
             (medians[key] for key, other in groups.items()
-             if key[1] == n and key[0].startswith("dcp") and other[0].get("optimizer") == group[0].get("optimizer")),
+             if key[1] == n and key[0].startswith("dcp") and other[0].get("optimizer") == group[0].get("optimizer")
+             and other[0].get("storage", "local") == group[0].get("storage", "local")),
             None,
         )
         outside = [x for x in map(_outside_io_seconds, group) if x is not None]
@@ -311,6 +324,65 @@ def fit_table(fits: List[Dict[str, Any]]) -> str:
             f"{name:>18}  {fit['world_size']:>2}  {fit['every']:>5}  {len(stalls):>5}  {fit['fit_seconds']:>7.2f}"
             f"  {ratio:>10}  {median:>8}"
         )
+    return "\n".join(lines)
+
+
+#: the remote configurations whose save times :func:`remote_table` compares: the fork's default, and the DCP peer
+REMOTE_RATIO = ("fork-s3", "dcp-fsspec-s3")
+
+
+def _f_over_n(value: float, run: Dict[str, Any]) -> str:
+    share = run["checkpoint_mb"] * MIB / run["world_size"]
+    return f"{value / MIB:.1f} ({value / share:.2f})"
+
+
+def remote_table(runs: List[Dict[str, Any]]) -> str:
+    """The remote configurations (the ranks with ``save_server_sent``): per configuration and N, the slowest rank's
+    save and resume seconds, the largest rank's extra memory in the save (anon + file) and the resume (anon) in MiB
+    and in F (the run's checkpoint: the object, or DCP's objects), then per rank the bytes it sent to the server while
+    saving and received from it while resuming, in MiB and in F/N; and the ratio of ``fork-s3``'s save time to
+    ``dcp-fsspec-s3``'s at each N; below, the most any rank's S3 client took to make, outside the measured windows.
+    Empty without remote runs."""
+    runs = [r for r in runs if r["ranks"] and all("save_server_sent" in x for x in r["ranks"])]
+    if not runs:
+        return ""
+    header = (
+        f"{'config':>14}  {'N':>2}  {'F MiB':>7}  {'save s':>7}  {'resume s':>8}  {'save extra MiB (xF)':>19}"
+        f"  {'resume extra MiB (xF)':>21}  {'rank':>4}  {'sent saving MiB (xF/N)':>22}"
+        f"  {'received resuming MiB (xF/N)':>28}"
+    )
+    lines = [
+        "object storage (s3://, moto through a proxy per rank): slowest rank's seconds, largest rank's extra memory;"
+        " per rank the bytes sent to / received from the server (gloo traffic between ranks not counted)",
+        header,
+    ]
+    for run in runs:
+        size = run["checkpoint_mb"]
+        save_mem = max(x["save_peak_extra_anon_file_mb"] for x in run["ranks"])
+        load_mem = max(x["load_peak_extra_mb"] for x in run["ranks"])
+        for i, rank in enumerate(run["ranks"]):
+            head = (
+                f"{run['config']:>14}  {run['world_size']:>2}  {size:>7.1f}  {slowest_save_seconds(run):>7.2f}"
+                f"  {slowest_load_seconds(run):>8.2f}  {_x(save_mem, size):>19}  {_x(load_mem, size):>21}"
+                if i == 0 else " " * (14 + 2 + 2 + 2 + 7 + 2 + 7 + 2 + 8 + 2 + 19 + 2 + 21)
+            )
+            lines.append(
+                f"{head}  {rank['rank']:>4}  {_f_over_n(rank['save_server_sent'], run):>22}"
+                f"  {_f_over_n(rank['load_server_received'], run):>28}"
+            )
+    ratios = []
+    for n in sorted({r["world_size"] for r in runs}):
+        fork, peer = (next((r for r in runs if r["config"] == c and r["world_size"] == n), None) for c in REMOTE_RATIO)
+        if fork and peer:
+            fork_s, peer_s = slowest_save_seconds(fork), slowest_save_seconds(peer)
+            ratios.append(f"N={n}: {fork_s / peer_s:.2f} ({fork_s:.2f} s / {peer_s:.2f} s)")
+    if ratios:
+        lines.append(f"{REMOTE_RATIO[0]} save s / {REMOTE_RATIO[1]} save s: " + "; ".join(ratios))
+    setup = [x["client_setup_peak_extra_anon_file_mb"] for r in runs for x in r["ranks"]
+             if "client_setup_peak_extra_anon_file_mb" in x]
+    if setup:
+        lines.append(f"making a rank's S3 client, before the fit and not in the figures above: up to {max(setup):.1f}"
+                     " MiB anon+file")
     return "\n".join(lines)
 
 
@@ -382,5 +454,8 @@ if __name__ == "__main__":
     if crc_cost_table(saved["runs"]):
         print()
         print(crc_cost_table(saved["runs"]))
+    if remote_table(saved["runs"]):
+        print()
+        print(remote_table(saved["runs"]))
     if args.plot:
         plot(saved["runs"], args.plot)

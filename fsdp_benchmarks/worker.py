@@ -34,12 +34,22 @@ to B MB/s (an emulated per-writer link, not a real one).
 
 ``dcp_save_and_resume`` is the torch DCP peer (:mod:`fsdp_benchmarks.dcp_peer`), measured the same way without
 Lightning; the runner starts its ranks itself.
+
+A remote configuration (``storage="s3"``) saves to and resumes from ``--ckpt-url`` (``s3://<bucket>/<run>/...``).
+Each rank first points its S3 clients at its own proxy (``S3_HARNESS_RANK_ENDPOINTS``, set by the runner), and
+:class:`ServerTraffic` reads that proxy's counts just before and after the measured save and the measured resume:
+the bytes the rank sent to the server and received from it (``server_sent``/``server_received``, and per S3
+operation ``server_by_op``). What the ranks exchange over gloo does not pass the proxies. Before the fit, each rank
+makes its S3 client and reaches the bucket once (:func:`warm_up_client`, measured apart as ``client_setup``): a job
+pays that once, at its first save, and the measured resume finds the client made as a job's later saves do. Global
+rank 0 downloads the object into ``--out`` after the measured save, for the file checks, and removes the object at the
+end.
 """
 import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -50,10 +60,9 @@ from fsdp_benchmarks.model import STATE_SLOTS, CheckpointModel, state_dict_mb
 from fsdp_harness.checkpoint_reads import LoadTraffic
 from fsdp_harness.memory_sampler import MIB, PeakMemory, memory_source
 from fsdp_harness.models import full_parameters
-from fsdp_harness.scenario import main
+from fsdp_harness.scenario import global_rank, main
 from fsdp_harness.tensor_compare import compare_tensors, iter_tensors
 from pytorch_lightning import Callback, Trainer, seed_everything
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +77,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=12, help="fit_with_checkpoints: training steps")
     parser.add_argument("--every", type=int, default=4, help="fit_with_checkpoints: save every N steps, 0: never")
     parser.add_argument("--write-mbps", type=float, help="throttle this rank's checkpoint writes to this many MB/s")
+    parser.add_argument("--ckpt-url", help="a remote configuration's checkpoint, s3://<bucket>/<run>/<name>")
+
+
+class ServerTraffic:
+    """The bytes this rank sends to and receives from the S3 server, as its own proxy counts them
+    (:mod:`fsdp_harness.s3_proxy`); :meth:`snapshot` before a window, :meth:`since` after it. Makes no S3 client:
+    the counts come from the proxy's control endpoint, which is not traffic."""
+
+    def __init__(self) -> None:
+        from fsdp_harness.s3_proxy import S3Proxy
+        from fsdp_harness.s3_server import use_rank_endpoint
+
+        # before any S3 client of this process: botocore reads AWS_ENDPOINT_URL when a client is made
+        endpoint = use_rank_endpoint(global_rank())
+        if endpoint is None:
+            raise RuntimeError("a remote configuration's ranks need S3_HARNESS_RANK_ENDPOINTS (set by the runner)")
+        self.proxy = S3Proxy.at(endpoint)
+
+    def snapshot(self) -> Dict[str, Dict[str, int]]:
+        return self.proxy.counts()["by_op"]
+
+    def since(self, before: Dict[str, Dict[str, int]]) -> Dict[str, Any]:
+        """``server_sent``, ``server_received`` and ``server_requests`` since ``before``, and the same per operation
+        (``server_by_op``, only the operations with requests)."""
+        by_op = {}
+        for op, count in self.snapshot().items():
+            old = before.get(op, {})
+            delta = {key: count[key] - old.get(key, 0) for key in ("requests", "sent", "received")}
+            if any(delta.values()):
+                by_op[op] = delta
+        totals = {key: sum(d[key] for d in by_op.values()) for key in ("sent", "received", "requests")}
+        return {**{f"server_{key}": value for key, value in totals.items()}, "server_by_op": by_op}
 
 
 def describe_run(
@@ -211,12 +252,14 @@ class ResumeProbe(Callback):
     what the strategy's loads of the model and optimizer state read of the checkpoint's tensors, pass through
     collectives and gather (:class:`~fsdp_harness.checkpoint_reads.LoadTraffic`)."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, server: Optional[ServerTraffic] = None) -> None:
         self.meter = PeakMemory()
         self.traffic = LoadTraffic()
         self.cuda = cuda
+        self.server = server
         self.result: Dict[str, Any] = {}
         self._crc_before = 0.0
+        self._server_before: Dict[str, Any] = {}
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: Any = None) -> None:
         # ``setup`` runs before any restore; wrap this strategy instance's ``load_checkpoint`` only.
@@ -228,6 +271,9 @@ class ResumeProbe(Callback):
 
         def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
             if not meter.running:
+                if self.server is not None:
+                    # outside the memory window: the proxy's answer is a small JSON document
+                    self._server_before = self.server.snapshot()
                 meter.start()
                 self._crc_before = checkpoint_io_meter.crc_seconds()
             return original(*args, **kwargs)
@@ -239,6 +285,8 @@ class ResumeProbe(Callback):
         if self.meter.running:
             crc = checkpoint_io_meter.crc_seconds() - self._crc_before
             self.result = {**self.meter.stop(), **self.traffic.result(), "crc_seconds": crc}
+            if self.server is not None:
+                self.result.update(self.server.since(self._server_before))
         trainer.should_stop = True
 
 
@@ -251,8 +299,11 @@ class SaveProbe(Callback):
     training thread. A second save follows, outside the window, whose stall is ``stall_seconds``: it reuses the host
     copies of the first, as every later save in the background of a fit does."""
 
-    def __init__(self, path: Path, cuda: bool, in_fit: bool, meter: checkpoint_io_meter.CheckpointIOMeter) -> None:
-        self.path, self.cuda, self.in_fit, self.meter = path, cuda, in_fit, meter
+    def __init__(
+        self, path: Union[Path, str], cuda: bool, in_fit: bool, meter: checkpoint_io_meter.CheckpointIOMeter,
+        server: Optional[ServerTraffic] = None,
+    ) -> None:
+        self.path, self.cuda, self.in_fit, self.meter, self.server = path, cuda, in_fit, meter, server
         self.result: Dict[str, Any] = {}
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -270,6 +321,7 @@ class SaveProbe(Callback):
         strategy = trainer.strategy
         strategy.barrier("before-save")
         before = self.meter.snapshot()
+        server_before = self.server.snapshot() if self.server is not None else {}
         with PeakMemory(cuda_device=strategy.root_device if self.cuda else None) as meter:
             start = time.monotonic()
             trainer.save_checkpoint(self.path)
@@ -278,44 +330,98 @@ class SaveProbe(Callback):
             if callable(wait):
                 wait()
         self.result = {**meter.result(), "stall_seconds": stall, **self.meter.since(before)}
+        if self.server is not None:
+            self.result.update(self.server.since(server_before))
         strategy.barrier("after-save")
         return stall
 
 
+def remote_traffic(args: argparse.Namespace) -> Optional[ServerTraffic]:
+    """A remote configuration's :class:`ServerTraffic` (which points this rank's S3 clients at its proxy), else
+    ``None``."""
+    if not by_name(args.config).remote:
+        return None
+    if not args.ckpt_url:
+        raise RuntimeError(f"{args.config} saves to object storage: it needs --ckpt-url")
+    return ServerTraffic()
+
+
+def warm_up_client(url: str) -> Dict[str, Any]:
+    """Make this process's S3 client (s3fs, aiobotocore and botocore's S3 service model) and send one ``HeadBucket``
+    through it, outside the measured windows; returns its memory and seconds, measured as a save is. fsspec caches the
+    filesystem, so the strategy's saves and loads (and DCP's fsspec writer and reader) use this client."""
+    import fsspec
+
+    with PeakMemory() as meter:
+        fs = fsspec.filesystem("s3")
+        fs.call_s3("head_bucket", Bucket=url[len("s3://"):].split("/", 1)[0])
+    return meter.result()
+
+
+def download(url: str, path: Path) -> int:
+    """Copy the object ``url`` into the local file ``path``; returns the object's size."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    fs.get_file(url, str(path))
+    return fs.info(url)["size"]
+
+
 def save_and_resume(args: argparse.Namespace) -> Dict[str, Any]:
     ckpt_dir = args.ckpt_dir or args.out
-    path = Path(ckpt_dir) / f"{args.config}-n{args.devices}.ckpt"
+    server = remote_traffic(args)
+    local = Path(ckpt_dir) / f"{args.config}-n{args.devices}.ckpt"
+    # remote: the object; ``local`` is then global rank 0's download of it, for the checks
+    path = args.ckpt_url if server is not None else local
     meter = checkpoint_io_meter.install(ckpt_dir, args.write_mbps)
+    client_setup = warm_up_client(path) if server is not None else None
     model = make_model(args)
     cuda = args.accelerator == "gpu"
-    saver = SaveProbe(path, cuda, in_fit=by_name(args.config).in_background, meter=meter)
+    saver = SaveProbe(path, cuda, in_fit=by_name(args.config).in_background, meter=meter, server=server)
     trainer = make_trainer(args, callbacks=[saver])
     trainer.fit(model)
     rank = trainer.global_rank
     shape = describe_run(args, rank, model, args.accelerator, args.write_mbps)
     if not saver.in_fit:
         saver.save(trainer)
-    save_check = check_saved_file(model, path, rank, args)
-    checkpoint_mb = os.path.getsize(path) / MIB if rank == 0 else None
-    stream_check = verify_streamed_file(trainer, path, rank) if by_name(args.config).streams else None
+    checkpoint_bytes = None
+    if server is not None and rank == 0:
+        checkpoint_bytes = download(path, local)
+    trainer.strategy.barrier("after-download")
+    save_check = check_saved_file(model, local, rank, args)
+    if rank == 0 and checkpoint_bytes is None:
+        checkpoint_bytes = os.path.getsize(local)
+    checkpoint_mb = checkpoint_bytes / MIB if rank == 0 else None
+    # A remote save is not checked against a gathered one here: that would be a second S3-sized upload per run, and
+    # the test suite checks that the object equals a local save byte for byte (test_ddp_fully_sharded_object_storage).
+    streams = by_name(args.config).streams and server is None
+    stream_check = verify_streamed_file(trainer, local, rank) if streams else None
     trainer.strategy.barrier("after-check")
     del trainer, model
 
     # Resume in a fresh Trainer with a fresh model (same seeds), through the public API.
     model = make_model(args)
-    probe = ResumeProbe(cuda)
+    probe = ResumeProbe(cuda, server)
     trainer = make_trainer(args, max_epochs=2, callbacks=[probe])
     trainer.fit(model, ckpt_path=str(path))
     if not probe.result:
         raise RuntimeError("the resume measurement never started or never stopped")
-    load_check = compare_with_file(model, path, rank)
+    load_check = compare_with_file(model, local, rank)
     trainer.strategy.barrier("after-resume-check")
+    if server is not None and rank == 0:
+        import fsspec
+
+        # the server keeps every object in memory or in its temporary files until the invocation ends
+        fsspec.filesystem("s3").rm_file(path)
 
     result: Dict[str, Any] = {
         **shape,
         "save": saver.result,
         "load": probe.result,
     }
+    if client_setup is not None:
+        result["client_setup"] = client_setup
     if rank == 0:
         result.update(
             checkpoint_mb=checkpoint_mb,

@@ -8,7 +8,10 @@ CI's smoke run takes three of the configurations, one of each kind (``SMOKE_CONF
 emulated per-writer bandwidth (``--write-mbps``): each costs a 2-rank launch, and the suite has a time budget. The
 others combine the same paths (another optimizer, another save option, a baseline layout); before a release,
 ``test_every_configuration_smoke`` runs them all (``PL_RUN_RELEASE_TESTS=1``, see CONTRIBUTING.md). The fork-build
-configurations pass ``stream_checkpoint`` to the strategy, so they need a build of the fork that has that argument."""
+configurations pass ``stream_checkpoint`` to the strategy, so they need a build of the fork that has that argument.
+
+The remote configurations (``s3://``: the runner starts a moto server and a proxy per rank) are smoke-tested by
+``test_remote_configuration_smoke``, one of them, and before a release all of them with the others."""
 import json
 import os
 import subprocess
@@ -25,6 +28,7 @@ CONFIGS = [
     "dcp-fsdp2-adam",
     "fork-stream-consolidated", "fork-stream-adam-consolidated", "fork-no-agreement",
     "fork-stream-no-agreement", "fork-parallel-no-crc", "fork-parallel-adam-no-crc", "fork-stream-no-crc",
+    "fork-s3", "fork-s3-rank0", "fork-s3-async", "dcp-fsspec-s3",
 ]
 #: one of each kind of run: pure 1.6.5 on its own build; the fork's default writer (every rank writes, checked
 #: against a gathered save as the streamed configurations are), with Adam; the DCP peer. The other configurations
@@ -40,6 +44,10 @@ PARALLEL = {
     "fork-parallel", "fork-parallel-adam", "fork-parallel-async", "fork-parallel-no-crc", "fork-parallel-adam-no-crc",
 }
 DCP = {"dcp-fsdp2", "dcp-fsdp2-adam"}
+#: to S3, through a proxy per rank that counts the bytes each rank sends to and receives from the server
+REMOTE = {"fork-s3", "fork-s3-rank0", "fork-s3-async", "dcp-fsspec-s3"}
+#: S3's smallest part, moto's too: a tiny checkpoint (about 16 MiB) is then several parts, so every rank uploads
+PART_BYTES = 5 * 2**20
 RUN_KEYS = {
     "config", "world_size", "state_dict_mb", "ranks", "node_save_peak_extra_anon_file_mb", "node_save_peak_extra_mb",
     "node_load_peak_extra_mb", "node_load_peak_extra_file_mb", "node_save_x_s", "node_load_x_s", "checkpoint_mb",
@@ -60,7 +68,9 @@ DCP_RANK_KEYS = RANK_KEYS - STRATEGY_KEYS | {"save_files_bytes"}
 
 def _environment():
     # As a user's shell has it: no repository root on PYTHONPATH, so only the benchmark itself can make it importable.
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The fork's S3 parts at S3's minimum (the default 16 MiB would make the tiny checkpoint one part, one uploader).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, "PL_CHECKPOINT_PART_BYTES": str(PART_BYTES)}
 
 
 def run_benchmark(*args, cwd=ROOT, timeout=60, file_form=False):
@@ -110,6 +120,25 @@ def _check_dcp_run(run):
         assert rank["load_bytes_read"] >= rank["save_files_bytes"]
 
 
+def _check_remote_run(run):
+    """A remote configuration's run: every rank counted its bytes to and from the server; the fork's ranks upload the
+    object once between them (``fork-s3-rank0``: rank 0 alone), and every rank receives at least its share of the
+    checkpoint while resuming (each rank fetches its own ranges)."""
+    assert run["storage"] == "s3" and run["optimizer_state_complete"] is True
+    file_bytes = run["checkpoint_mb"] * 2**20
+    sent = [rank["save_server_sent"] for rank in run["ranks"]]
+    for rank in run["ranks"]:
+        counts = [rank[f"{phase}_server_{key}"] for phase in ("save", "load") for key in ("sent", "received")]
+        assert all(isinstance(count, int) for count in counts), rank
+        assert rank["load_server_received"] >= file_bytes / run["world_size"] * 0.9, rank
+    if run["config"] == "fork-s3-rank0":
+        assert sent[0] >= file_bytes and sent[1:] == [0] * (len(sent) - 1), sent
+    else:
+        assert all(s > 0 for s in sent) and file_bytes <= sum(sent) <= file_bytes * 1.05, sent
+    if run["config"] == "dcp-fsspec-s3":
+        assert run["tensor_check"]["compared"] > 0 and run["tensor_check"]["mismatched"] == []
+
+
 def _check_result(result, configs, mbps):
     runs = result["runs"]
     assert [run["config"] for run in runs] == result["meta"]["configs"] == configs
@@ -121,7 +150,10 @@ def _check_result(result, configs, mbps):
         # 4 blocks of 640 and the two heads of 320 (``--width``, ``--heads``)
         assert 7 < run["state_dict_mb"] <= 8 and run["heads"] == 320
         assert "INCOMPLETE" in result["meta"]["configurations"][run["config"]].upper() or run["complete_checkpoint"]
-        (_check_dcp_run if run["config"] in DCP else _check_lightning_run)(run)
+        if run["config"] in REMOTE:
+            _check_remote_run(run)
+        else:
+            (_check_dcp_run if run["config"] in DCP else _check_lightning_run)(run)
         assert run["node_save_peak_extra_mb"] == pytest.approx(sum(r["save_peak_extra_mb"] for r in run["ranks"]))
         assert run["node_save_peak_extra_anon_file_mb"] == pytest.approx(
             sum(r["save_peak_extra_anon_file_mb"] for r in run["ranks"])
@@ -169,6 +201,27 @@ def test_checkpoint_memory_benchmark_smoke(tmp_path):
 def test_every_configuration_smoke(tmp_path):
     """Before a release: every configuration at the tiny size, checked as the CI smoke run checks its three."""
     _smoke(tmp_path, CONFIGS, timeout=880)
+
+
+@pytest.mark.timeout(120)
+def test_remote_configuration_smoke(tmp_path):
+    """``fork-s3`` at the tiny size on 2 CPU ranks: the runner starts a moto server and a proxy per rank, the object
+    resumes exactly, and the remote table and the JSON carry each rank's bytes to and from the server."""
+    json_path = tmp_path / "result.json"
+    proc = run_benchmark(
+        "--devices", "2", "--units", "4", "--width", "640", "--heads", "320", "--accelerator", "cpu", "--json",
+        str(json_path), "--out", str(tmp_path / "out"), "--timeout", "90", "--configs", "fork-s3", timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    assert "object storage (s3://" in proc.stdout and "sent saving MiB (xF/N)" in proc.stdout
+    result = json.loads(json_path.read_text())
+    assert "moto" in result["meta"]["object_storage"]
+    (run,) = result["runs"]
+    assert run["ok"] is True and run["config"] == "fork-s3" and [r["rank"] for r in run["ranks"]] == [0, 1]
+    _check_remote_run(run)
+    for rank in run["ranks"]:
+        assert rank["save_server_sent"] > 0 and rank["load_server_received"] > 0, rank
+        assert "UploadPart" in rank["save_server_by_op"] and "GetObjectRange" in rank["load_server_by_op"]
 
 
 @pytest.mark.timeout(120)
