@@ -385,10 +385,15 @@ class _RoundExchange(NamedTuple):
     def run(self, group: Optional[Any]) -> None:
         """Send and receive the round's messages over ``group``, and put what was received into place. Collective
         between the ranks that share a part."""
-        requests = [torch.distributed.isend(data, peer, group=group, tag=tag) for peer, tag, data in self.outgoing]
-        requests += [
-            torch.distributed.irecv(buffer, peer, group=group, tag=tag) for peer, tag, _, buffer in self.incoming
-        ]
+        sends = [(torch.distributed.isend, data, peer, tag) for peer, tag, data in self.outgoing]
+        receives = [(torch.distributed.irecv, buffer, peer, tag) for peer, tag, _, buffer in self.incoming]
+        if any(data.device.type != "cpu" for _, data, _, _ in sends + receives):
+            # NCCL (no gloo group) runs a pair's sends and receives in order and ignores tags: two ranks that send
+            # each other a part's bytes would each wait for the other's receive behind its own send
+            ops = [torch.distributed.P2POp(op, data, peer, group, tag) for op, data, peer, tag in sends + receives]
+            requests = torch.distributed.batch_isend_irecv(ops) if ops else []
+        else:
+            requests = [op(data, peer, group=group, tag=tag) for op, data, peer, tag in sends + receives]
         for request in requests:
             request.wait()
         for _, _, places, buffer in self.incoming:

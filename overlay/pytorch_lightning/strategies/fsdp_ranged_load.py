@@ -67,9 +67,6 @@ def _load_checkpoint_in_ranges(strategy: "DDPFullyShardedStrategy", path: _PATH)
         return None
     fs = get_filesystem(path)
     url = str(path)
-    if strategy.is_global_zero and _is_multipart_store(fs):
-        # as a local load removes the temporary files of killed saves beside the file
-        _abort_stale_uploads(fs, url.rsplit("/", 1)[0])
     size, etag = _object_version(strategy, fs, url)
     copy = _SparseObjectCopy(fs, url, size, etag)
     try:
@@ -106,6 +103,10 @@ def _object_version(strategy: "DDPFullyShardedStrategy", fs: Any, url: str) -> T
     error: Optional[BaseException] = None
     if strategy.is_global_zero:
         try:
+            if _is_multipart_store(fs):
+                # as a local load removes the temporary files of killed saves beside the file; before the broadcast,
+                # so that its failure (an invalid `PL_CHECKPOINT_STALE_UPLOAD_AGE`) reaches every rank
+                _abort_stale_uploads(fs, url.rsplit("/", 1)[0])
             found = _SparseObjectCopy.version_of(fs, url)
         except Exception as ex:
             # the type only: an error's text may quote the URL with its secret
@@ -117,7 +118,7 @@ def _object_version(strategy: "DDPFullyShardedStrategy", fs: Any, url: str) -> T
             raise FileNotFoundError(f"Checkpoint at {_redacted(url)} not found. Aborting training.")
         if error is not None:
             raise error
-        raise OSError(f"Global rank 0 could not look up the checkpoint {_redacted(url)} ({found[2]}).")
+        raise OSError(f"Global rank 0 could not prepare the load of {_redacted(url)} ({found[2]}).")
     return found
 
 

@@ -102,6 +102,11 @@ class _SequentialDestination:
             discard = getattr(target, "discard", None)
             if callable(discard):
                 discard()
+            try:
+                # or fsspec's ``__del__`` closes it, and a buffered file (gcsfs, adlfs) would upload what it holds
+                target.closed = True
+            except AttributeError:
+                pass
             raise
         target.close()
         log.debug(f"Copied the checkpoint into {_redacted(self.path)}.")
