@@ -10,7 +10,7 @@ import threading
 import uuid
 import zipfile
 from contextlib import contextmanager, nullcontext
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
 import fsspec
@@ -151,21 +151,27 @@ def resume_from_object(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
-def upload_fault(args: argparse.Namespace) -> Dict[str, Any]:
-    """Save into ``args.url``, then save over it while global rank ``args.fault_rank``'s proxy injects
-    ``args.fault``; record what every rank raised, and on rank 0 whether the object changed and whether an
-    upload was left."""
+def _saved_then_changed(args: argparse.Namespace, name: str) -> Tuple[S3Proxy, Trainer, str, bytes]:
+    """Fit, save into ``args.url``/``name`` and change every parameter, a change that must not reach the object
+    where the next save fails: this rank's proxy, the trainer, the URL and (on global rank 0) the object's bytes."""
     proxy = _proxy()
     seed_everything(5)
     trainer = _trainer(args)
     trainer.fit(_model(args))
-    url = f"{args.url}/fault-{args.fault}.ckpt"
+    url = f"{args.url}/{name}"
     trainer.save_checkpoint(url)
-    before = fsspec.open(url, "rb").open().read() if trainer.global_rank == 0 else b""
-    # a change that must not reach the object where the save fails
+    before = fsspec.filesystem("s3").cat_file(url) if trainer.global_rank == 0 else b""
     with torch.no_grad():
         for parameter in trainer.lightning_module.parameters():
             parameter.add_(1.0)
+    return proxy, trainer, url, before
+
+
+def upload_fault(args: argparse.Namespace) -> Dict[str, Any]:
+    """Save into ``args.url``, then save over it while global rank ``args.fault_rank``'s proxy injects
+    ``args.fault``; record what every rank raised, and on rank 0 whether the object changed and whether an
+    upload was left."""
+    proxy, trainer, url, before = _saved_then_changed(args, f"fault-{args.fault}.ckpt")
     if trainer.global_rank == args.fault_rank:
         proxy.set_faults([FAULTS[args.fault]()])
     result: Dict[str, Any] = {"rank": trainer.global_rank, "error": None}
@@ -260,16 +266,7 @@ def killed_mid_upload(args: argparse.Namespace) -> Dict[str, Any]:
     """Save into ``args.url``, then save over it; in the second save's upload global rank ``args.fault_rank`` (or
     every rank: ``-1``) kills itself (``SIGKILL``) before its first part. A rank left records what it raised, and on
     global rank 0 whether the object changed and which uploads are left."""
-    proxy = _proxy()
-    seed_everything(5)
-    trainer = _trainer(args)
-    trainer.fit(_model(args))
-    url = f"{args.url}/killed.ckpt"
-    trainer.save_checkpoint(url)
-    before = fsspec.open(url, "rb").open().read() if trainer.global_rank == 0 else b""
-    with torch.no_grad():
-        for parameter in trainer.lightning_module.parameters():
-            parameter.add_(1.0)
+    proxy, trainer, url, before = _saved_then_changed(args, "killed.ckpt")
     upload = _MultipartUpload.upload
 
     def killing_upload(self: _MultipartUpload, *a: Any, **kw: Any) -> Any:
