@@ -11,7 +11,10 @@ others combine the same paths (another optimizer, another save option, a baselin
 configurations pass ``stream_checkpoint`` to the strategy, so they need a build of the fork that has that argument.
 
 The remote configurations (``s3://``: the runner starts a moto server and a proxy per rank) are smoke-tested by
-``test_remote_configuration_smoke``, one of them, and before a release all of them with the others."""
+``test_remote_configuration_smoke``, one of them (``REMOTE_SMOKE``), and before a release all of them with the others.
+It reads the CI smoke run's invocation, which runs ``REMOTE_SMOKE`` after ``SMOKE_CONFIGS`` (as the release run runs
+every configuration in one invocation): an invocation of its own would pay another start of the benchmark's runner,
+which imports torch and Lightning."""
 import json
 import os
 import subprocess
@@ -35,6 +38,8 @@ CONFIGS = [
 #: combine the same paths (``test_every_configuration_smoke``); the upstream PR's own I/O (``rank0-only``) also runs
 #: on 2 CPU ranks in ``test_ddp_fully_sharded_state_dict_on_rank_0_only_cpu.py``.
 SMOKE_CONFIGS = ["upstream", "fork-parallel-adam", "dcp-fsdp2"]
+#: the remote configuration of the CI smoke run, checked by ``test_remote_configuration_smoke``
+REMOTE_SMOKE = "fork-s3"
 INCOMPLETE = {"upstream", "upstream-adam"}  # pure 1.6.5: rank 0's optimizer shard only
 STREAMED = {
     "fork-stream", "fork-stream-adam", "fork-stream-consolidated", "fork-stream-adam-consolidated",
@@ -168,15 +173,26 @@ def _check_result(result, configs, mbps):
                 assert rank["save_seconds"] >= rank["save_io_seconds"] >= rank["save_bytes_written"] / (mbps * 1e6)
 
 
-def _smoke(tmp_path, configs, timeout):
-    json_path, plot_path, mbps = tmp_path / "result.json", tmp_path / "result.png", 20.0
-    proc = run_benchmark(
+SMOKE_MBPS = 20.0
+
+
+def _run_smoke(tmp_path, configs, timeout):
+    """One invocation of the benchmark at the tiny size, under the emulated per-writer link; its output."""
+    return run_benchmark(
         "--devices", "2", "--units", "4", "--width", "640", "--heads", "320", "--accelerator", "cpu", "--json",
-        str(json_path),
-        "--plot", str(plot_path), "--out", str(tmp_path / "out"), "--timeout", "180", "--write-mbps", str(mbps),
-        "--configs", ",".join(configs),
+        str(tmp_path / "result.json"),
+        "--plot", str(tmp_path / "result.png"), "--out", str(tmp_path / "out"), "--timeout", "180", "--write-mbps",
+        str(SMOKE_MBPS), "--configs", ",".join(configs),
         timeout=timeout,
     )
+
+
+def _smoke(tmp_path, configs, timeout):
+    _check_smoke(tmp_path, _run_smoke(tmp_path, configs, timeout), configs)
+
+
+def _check_smoke(tmp_path, proc, configs):
+    json_path, plot_path, mbps = tmp_path / "result.json", tmp_path / "result.png", SMOKE_MBPS
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert "node" in proc.stdout  # the table
     assert "emulated per-rank write link of 20 MB/s" in proc.stdout
@@ -190,10 +206,22 @@ def _smoke(tmp_path, configs, timeout):
     assert not list((tmp_path / "out").rglob("*.ckpt")) and not list((tmp_path / "out").rglob("*.distcp"))
 
 
-@pytest.mark.timeout(420)
-def test_checkpoint_memory_benchmark_smoke(tmp_path):
+#: every test that reads the CI smoke run's invocation may be the one that starts it
+SMOKE_TIMEOUT = 420
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """The CI smoke run's invocation (``SMOKE_CONFIGS`` and ``REMOTE_SMOKE``): its folder and its output."""
+    folder = tmp_path_factory.mktemp("checkpoint-memory-smoke")
+    return folder, _run_smoke(folder, [*SMOKE_CONFIGS, REMOTE_SMOKE], timeout=SMOKE_TIMEOUT - 20)
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT)
+def test_checkpoint_memory_benchmark_smoke(smoke_run):
     """One run of each kind of configuration (see the module's docstring), under the emulated per-writer link."""
-    _smoke(tmp_path, SMOKE_CONFIGS, timeout=400)
+    folder, proc = smoke_run
+    _check_smoke(folder, proc, [*SMOKE_CONFIGS, REMOTE_SMOKE])
 
 
 @pytest.mark.release
@@ -203,20 +231,16 @@ def test_every_configuration_smoke(tmp_path):
     _smoke(tmp_path, CONFIGS, timeout=880)
 
 
-@pytest.mark.timeout(120)
-def test_remote_configuration_smoke(tmp_path):
+@pytest.mark.timeout(SMOKE_TIMEOUT)
+def test_remote_configuration_smoke(smoke_run):
     """``fork-s3`` at the tiny size on 2 CPU ranks: the runner starts a moto server and a proxy per rank, the object
     resumes exactly, and the remote table and the JSON carry each rank's bytes to and from the server."""
-    json_path = tmp_path / "result.json"
-    proc = run_benchmark(
-        "--devices", "2", "--units", "4", "--width", "640", "--heads", "320", "--accelerator", "cpu", "--json",
-        str(json_path), "--out", str(tmp_path / "out"), "--timeout", "90", "--configs", "fork-s3", timeout=110,
-    )
+    folder, proc = smoke_run
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert "object storage (s3://" in proc.stdout and "sent saving MiB (xF/N)" in proc.stdout
-    result = json.loads(json_path.read_text())
+    result = json.loads((folder / "result.json").read_text())
     assert "moto" in result["meta"]["object_storage"]
-    (run,) = result["runs"]
+    (run,) = [run for run in result["runs"] if run.get("storage") == "s3"]
     assert run["ok"] is True and run["config"] == "fork-s3" and [r["rank"] for r in run["ranks"]] == [0, 1]
     _check_remote_run(run)
     for rank in run["ranks"]:

@@ -86,3 +86,47 @@ def test_unreachable_tensors_are_not_streamable(tmp_path, case):
         writer.write_skeleton(checkpoint, [weight] + ([other] if case == "missing_pending" else []))
     writer.discard()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_close_that_reports_an_error_fails_the_commit_and_is_not_repeated(tmp_path, monkeypatch):
+    """NFS and FUSE report a delayed write error (``EDQUOT``) at ``close``, which has released the descriptor all the
+    same: the commit fails, the previous file stays, and the discard that follows closes nothing more (another
+    thread may hold that descriptor's number by then)."""
+    import errno
+
+    (weight,) = fake_tensors((3, 4))
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(b"previous")
+    writer = _StreamedCheckpointFile(path)
+    writer.write_skeleton({"state_dict": {"weight": weight}}, [weight])
+    writer.write(weight, torch.ones(3, 4))
+    fd, real_close, closed = writer.fileno(), os.close, []
+
+    def close(number: int) -> None:
+        real_close(number)
+        closed.append(number)
+        if number == fd:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(os, "close", close)
+    with pytest.raises(OSError, match="Disk quota exceeded"):
+        writer.commit()
+    monkeypatch.undo()
+    assert closed.count(fd) == 1
+    assert path.read_bytes() == b"previous" and sorted(os.listdir(tmp_path)) == ["model.ckpt"]
+
+
+@pytest.mark.parametrize("whole_file", [True, False])
+def test_a_writer_drops_what_it_wrote_from_the_page_cache(tmp_path, monkeypatch, whole_file):
+    """The file's only writer (a streamed file) advises the whole file at each flush, so chunks still under
+    writeback at their own flush go at a later one; a rank of a parallel save advises the span it wrote since its last
+    flush (its shards lie between the other ranks')."""
+    from pytorch_lightning.utilities.local_file_storage import _LocalFileWriter
+
+    advised = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: advised.append((offset, length)))
+    with open(tmp_path / "file", "wb") as f:
+        writer = _LocalFileWriter(f.fileno(), fsync_chunks=False, flush_bytes=64, whole_file=whole_file)
+        for offset in (128, 192, 1024, 1088):
+            writer.write(torch.ones(64, dtype=torch.uint8), offset)
+    assert advised == ([(0, 0)] * 4 if whole_file else [(128, 64), (192, 64), (1024, 64), (1088, 64)])

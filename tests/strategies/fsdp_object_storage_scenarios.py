@@ -18,7 +18,7 @@ import torch
 
 from fsdp_harness.models import FSDPModel, full_parameters
 from fsdp_harness.s3_proxy import S3Proxy, internal_error, reset_part, slow_down
-from fsdp_harness.s3_server import boto3_client, use_rank_endpoint
+from fsdp_harness.s3_server import RANK_ENDPOINTS_ENV, boto3_client, use_rank_endpoint
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
 from pytorch_lightning import LightningDataModule, Trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -70,7 +70,9 @@ def _bucket_and_key(url: str) -> List[str]:
 
 def _uploads_in_progress(url: str) -> List[str]:
     bucket, key = _bucket_and_key(url)
-    answer = boto3_client(S3Proxy.at(use_rank_endpoint(0)).endpoint).list_multipart_uploads(Bucket=bucket, Prefix=key)
+    # not ``use_rank_endpoint(0)``: on another rank, it would point that rank's next S3 client at rank 0's proxy
+    endpoint = os.environ[RANK_ENDPOINTS_ENV].split(",")[0]
+    answer = boto3_client(endpoint).list_multipart_uploads(Bucket=bucket, Prefix=key)
     return [upload["Key"] for upload in answer.get("Uploads", [])]
 
 

@@ -545,10 +545,10 @@ def counting_save_costs(costs: Dict[str, Any]) -> Iterator[None]:
 
     write_own_shards = fsdp_parallel_save._write_own_shards
 
-    def measured(strategy: Any, stream: Any, table: Any, *args: Any) -> None:
-        stat = os.stat(table.path)
+    def measured(strategy: Any, stream: Any, plan: Any, *args: Any) -> None:
+        stat = os.stat(plan.table.path)
         costs.update(size=stat.st_size, allocated=stat.st_blocks * 512)
-        return write_own_shards(strategy, stream, table, *args)
+        return write_own_shards(strategy, stream, plan, *args)
 
     objects = [counted(torch.distributed, name, "object_collectives") for name in OBJECT_COLLECTIVES]
     with counted(psutil, "disk_partitions", "mount_table_reads"), counted(

@@ -3,8 +3,10 @@ multipart upload that global rank 0 starts and completes), which is the file a l
 
 Against a real S3 server process (moto's) with a fault-injecting, byte-counting proxy per rank
 (``fsdp_harness/s3_server.py``, ``fsdp_harness/s3_proxy.py``); the ranks are real FairScale FSDP processes on CPU
-(``fsdp_object_storage_scenarios.py``), in two launches: 2 ranks, then 1 rank resuming the 2-rank object. The model's
-file is about 25 MB, 5 parts of 5 MiB (``PL_CHECKPOINT_PART_BYTES``), so both ranks upload parts.
+(``fsdp_object_storage_scenarios.py``), in three launches: a 2-rank job that is killed mid-upload, the next 2-rank
+job (which first resumes in the killed job's directory, then runs the other cases), then 1 rank resuming the 2-rank
+object. The model's file is about 25 MB, 5 parts of 5 MiB (``PL_CHECKPOINT_PART_BYTES``), so both ranks upload parts
+and a rank uploads its parts in more than one round (``SMALL``: about 10 MB, 2 parts, one per rank).
 """
 import json
 from typing import Dict, Iterator, List
@@ -27,9 +29,14 @@ SCENARIOS = "tests.strategies.fsdp_object_storage_scenarios"
 PART_BYTES = 5 * 2**20
 #: two attempts per request, so that a part refused every time fails in seconds
 ENV = {"PL_CHECKPOINT_PART_BYTES": str(PART_BYTES), "PL_CHECKPOINT_TIMEOUT": "60"}
-#: "killed": every rank of the job kills itself mid-upload; "after": the next job, in the same directory
-BATCHES = {"two": (2, 300), "one": (1, 150), "killed": (2, 120), "after": (2, 150)}
+#: "killed": every rank of the job kills itself mid-upload; "two", the next job, starts in the killed job's directory
+#: (a launch of its own for that would pay a third 2-rank start); "one" resumes what "two" saved
+BATCHES = {"killed": (2, 120), "two": (2, 330), "one": (1, 150)}
 BATCHES_TIMEOUT = sum(timeout for _, timeout in BATCHES.values()) + 60
+#: A model of about 10 MB (2 parts, one per rank) for the cases that save it again and again: what they check holds
+#: at any size where every rank uploads a part, and the 5-part file (more than one round of a rank's parts) is
+#: checked by the other cases.
+SMALL = ["--width", 640]
 #: the faults of one rank's uploads, and whether the save survives them (the client retries)
 FAULTS = {"internal_error": False, "slow_down": True, "reset": True}
 
@@ -53,25 +60,26 @@ def runs(tmp_path_factory, s3_server, proxies) -> Iterator[ScenarioBatches]:
     saved = batches.batch("two", 2).add("upload", "upload_equals_local", "--url", url)
     batches.batch("two", 2).add("upload-rank0", "upload_equals_local", "--url", url, "--writers", "rank0")
     resume = ["--ckpt", f"{url}/upload-auto.ckpt", "--local", saved / "local.ckpt"]
-    for name, (devices, _) in BATCHES.items():
+    for name, devices in (("two", 2), ("one", 1)):
         batches.batch(name, devices).add(f"resume-2-{devices}", "resume_from_object", *resume)
     batches.batch("two", 2).add("resume_corrupt", "resume_corrupt", "--ckpt", f"{url}/corrupt-auto.ckpt")
     batches.batch("two", 2).add("reading_hooks", "resume_reading_hooks", *resume)
     batches.batch("two", 2).add("missing_range", "resume_missing_range", *resume)
     batches.batch("two", 2).add("part_size", "part_size_differs", "--url", url)
-    for name, (devices, _) in list(BATCHES.items())[:2]:
+    for name, devices in (("two", 2), ("one", 1)):
         batches.batch(name, devices).add(f"sequential-{devices}", "sequential_store")
     for fault in FAULTS:
-        batches.batch("two", 2).add(f"fault-{fault}", "upload_fault", "--url", url, "--fault", fault)
+        batches.batch("two", 2).add(f"fault-{fault}", "upload_fault", "--url", url, "--fault", fault, *SMALL)
     batches.batch("two", 2).add("missing_bucket", "missing_bucket")
     for mode in ("sync", "async"):
         flag = ["--async-checkpoint"] if mode == "async" else []
-        batches.batch("two", 2).add(f"callback-{mode}", "checkpoint_callback", "--url", url, *flag)
+        batches.batch("two", 2).add(f"callback-{mode}", "checkpoint_callback", "--url", url, *flag, *SMALL)
     # rank 1 is gone after it: the last case of its batch
     batches.batch("two", 2).add("rank_killed", "killed_mid_upload", "--url", url, fails=True)
     killed = f"{url}/killed-job"
     batches.batch("killed", 2).add("job_killed", "killed_mid_upload", "--url", killed, "--fault-rank", -1, fails=True)
-    batches.batch("after", 2).add("after_killed_job", "after_killed_job", "--url", killed)
+    # first: in processes that did nothing else before, as a new job's would
+    batches.batch("two", 2).add("after_killed_job", "after_killed_job", "--url", killed, first=True)
     yield batches
 
 
@@ -223,7 +231,7 @@ def test_the_next_job_aborts_the_upload_of_a_job_killed_mid_upload(runs):
     """Every rank killed mid-upload leaves an incomplete upload and its marker; the next job's resume from that
     directory aborts the upload (its writer's process is gone) and removes the marker."""
     assert runs.failure("job_killed").returncode == -9  # SIGKILL
-    for record in runs.batch("after", 2).results("after_killed_job"):
+    for record in runs.batch("two", 2).results("after_killed_job"):
         assert record["before"]["uploads"] == ["run/killed-job/killed.ckpt"], record["before"]
         assert len(record["before"]["markers"]) == 1, record["before"]
         assert record["after"] == {"uploads": [], "markers": []}, record["after"]

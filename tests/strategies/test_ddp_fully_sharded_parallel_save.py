@@ -19,7 +19,6 @@ import subprocess
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
-from unittest import mock
 
 import pytest
 
@@ -386,25 +385,6 @@ def test_blocks_touched_by_several_ranks_have_one_writer(monkeypatch):
     monkeypatch.setenv("PL_CHECKPOINT_WRITE_BLOCK", "1000")
     with pytest.raises(MisconfigurationException, match="multiple of 4096"):
         _write_block_size()
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=RunIf(min_gpus=1))])
-def test_rank_file_writes_byte_ranges(tmp_path, device):
-    """A rank writes byte ranges of its shards at their offsets: CPU memory directly, GPU memory through the pinned
-    staging buffer, in steps smaller than the range."""
-    import torch
-
-    from pytorch_lightning.strategies import fsdp_parallel_save
-
-    path = tmp_path / "file.tmp"
-    path.write_bytes(bytes(64))
-    data = torch.arange(12, dtype=torch.float32, device=device).view(torch.uint8)
-    with mock.patch.object(fsdp_parallel_save, "STAGING_BYTES", 8), fsdp_parallel_save._RankFile(
-        str(path), fsync_chunks=True, flush_bytes=8
-    ) as file:
-        file.write(data, 4, 20, 40)
-    assert path.read_bytes()[40:60] == data.cpu().numpy().tobytes()[4:24]
-    assert path.read_bytes()[:40] == bytes(40) and path.stat().st_size == 64
 
 
 @pytest.mark.timeout(BATCHES_TIMEOUT)

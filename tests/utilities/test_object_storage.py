@@ -16,6 +16,7 @@ from pytorch_lightning.strategies.fsdp_parallel_save import _Extent
 from pytorch_lightning.strategies.fsdp_parallel_upload import _cover, _parts, _rounds, PARTS_IN_FLIGHT
 from pytorch_lightning.utilities.atomic_save import _writer_host_id
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.checkpoint_storage_kinds import _storage_for_reading
 from pytorch_lightning.utilities.multipart_upload import _MultipartUpload, _part_size, PART_BYTES_ENV
 from pytorch_lightning.utilities.sparse_object_copy import _SparseObjectCopy
 from pytorch_lightning.utilities.stale_uploads import _abort_stale_uploads, STALE_UPLOAD_AGE_ENV
@@ -161,7 +162,8 @@ def test_a_load_reads_one_version_of_the_object(s3_server, s3_env, s3_bucket, tm
     for value in (1.0, 2.0):
         torch.save({"a": torch.full((100_000,), value), "b": torch.full((100_000,), value)}, tmp_path / f"{value}.ckpt")
     fs.put_file(str(tmp_path / "1.0.ckpt"), url)
-    copy = _SparseObjectCopy(fs, url, *_SparseObjectCopy.version_of(fs, url))
+    size, etag = _SparseObjectCopy.version_of(fs, url)
+    copy = _SparseObjectCopy(_storage_for_reading(url, etag), size)
     try:
         copy.fetch_structure()
         fs.put_file(str(tmp_path / "2.0.ckpt"), url)

@@ -9,7 +9,7 @@ explicitly:
 - :mod:`.fsdp_streaming_save`: the streamed save (structure, then unit by unit);
 - :mod:`.fsdp_parallel_save`: the streamed save's units written by every rank into the one file;
 - :mod:`.fsdp_parallel_upload`: the same into one object in S3, uploaded in parts by every rank (the kinds of
-  storage: :mod:`~pytorch_lightning.utilities.checkpoint_storage`);
+  storage and their one interface: :mod:`~pytorch_lightning.utilities.checkpoint_storage`);
 - :mod:`.fsdp_async_checkpoint`: the streamed save's units written in the background, the save in flight;
 - :mod:`.fsdp_optimizer_state`: the consolidated optimizer state (save, re-shard on load);
 - :mod:`.fsdp_restore`: the load into the sharded model;
@@ -64,7 +64,7 @@ from pytorch_lightning.strategies.fsdp_stream_decision import (
 )
 from pytorch_lightning.strategies.fsdp_streaming_save import _save_checkpoint_if_streamed
 from pytorch_lightning.utilities.checkpoint_errors import _distributed_run
-from pytorch_lightning.utilities.checkpoint_storage import (
+from pytorch_lightning.utilities.checkpoint_storage_kinds import (
     _scratch_checkpoint_file,
     _stage_for_sequential_copy,
     _storage_kind,

@@ -13,7 +13,9 @@ save, and :func:`_plan_own_writes` for global rank 0 to run once it wrote the st
 ``checkpoint_writers`` is ``"all"``, or ``"auto"`` (the default) with more than one process.
 """
 # fork-feature: fork/fsdp-parallel-save.patch
+import itertools
 import os
+from dataclasses import replace
 from functools import partial
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, TYPE_CHECKING
 
@@ -51,13 +53,8 @@ from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _M
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.file_preallocation import _preallocate
-from pytorch_lightning.utilities.streamed_checkpoint_file import (
-    _committed_if_complete,
-    _memory_of,
-    _flush_written,
-    _pwrite_all,
-    _StreamedCheckpointFile,
-)
+from pytorch_lightning.utilities.local_file_storage import _LocalFileStorage
+from pytorch_lightning.utilities.streamed_checkpoint_file import _committed_if_complete, _StreamedCheckpointFile
 
 if TYPE_CHECKING:
     from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
@@ -65,8 +62,6 @@ if TYPE_CHECKING:
 #: No two ranks write into one block of this many bytes (default 4096, a page: NFS clients write back whole pages);
 #: raise it to the stripe size on Lustre or GPFS, whose extent locks are per stripe.
 WRITE_BLOCK_ENV = "PL_CHECKPOINT_WRITE_BLOCK"
-#: The pinned host buffer through which a rank writes its GPU shards.
-STAGING_BYTES = 8 * 2**20
 
 #: Where a rank's bytes come from: ``("param", instance index, flat index)`` or ``("optim", optimizer-state key)``.
 _Source = Tuple[Any, ...]
@@ -105,10 +100,12 @@ def _write_block_size() -> int:
 
 class _RankZeroPlan(NamedTuple):
     """What global rank 0 sends every rank with the checkpoint's structure (:func:`_plan_own_writes`): where the
-    FSDP records lie, and the probe file of the writers' decision (``None`` where none is wanted)."""
+    FSDP records lie, the probe file of the writers' decision (``None`` where none is wanted), and the storage every
+    rank writes into (the temporary file beside the checkpoint)."""
 
     table: _RecordTable
     probe: Optional[_Probe]
+    storage: _LocalFileStorage
 
     def discard(self) -> None:
         """On global rank 0, once the writers' decision is made or the save stopped before it: remove the probe file
@@ -132,7 +129,8 @@ def _plan_own_writes(
     os.fsync(writer.fileno())
     table = _record_table(strategy, stream, writer)
     wanted = _probe_wanted(strategy, strategy.checkpoint_writers)
-    return _RankZeroPlan(table, _write_probe_for_ranks(os.path.dirname(writer.tmp_path)) if wanted else None)
+    probe = _write_probe_for_ranks(os.path.dirname(writer.tmp_path)) if wanted else None
+    return _RankZeroPlan(table, probe, writer.storage)
 
 
 def _write_units_by_every_rank(
@@ -162,11 +160,11 @@ def _write_units_by_every_rank(
     if decision[0] != "all":
         return fallback(strategy, stream, writer)
     if _saves_in_background(strategy) and _host_copies_fit(strategy, stream, writer, gathered=False):
-        return _start_background_save(strategy, writer, partial(_copy_own_writes, strategy, stream, table, mount))
+        return _start_background_save(strategy, writer, partial(_copy_own_writes, strategy, stream, plan, mount))
     guard = _new_checkpoint_guard(strategy)
     with _committed_if_complete(writer):
         with _naming_lost_ranks(strategy, guard, table.path):
-            pieces = _write_own_shards(strategy, stream, table, guard, mount)
+            pieces = _write_own_shards(strategy, stream, plan, guard, mount)
             failed_ranks = guard.settle()
             if not failed_ranks:
                 _send_crcs_to_writer(pieces, writer, _checkpoint_process_group(strategy))
@@ -195,7 +193,7 @@ def _record_table(
 def _write_own_shards(
     strategy: "DDPFullyShardedStrategy",
     stream: _CheckpointStream,
-    table: _RecordTable,
+    plan: _RankZeroPlan,
     guard: _CollectiveGuard,
     mount: Optional[_Mount],
 ) -> List[_Piece]:
@@ -204,52 +202,52 @@ def _write_own_shards(
     wrote. A failure is recorded in ``guard``."""
     writes = None
     with guard.catch():
-        writes = _own_writes(strategy, stream, table, mount)
+        writes = _own_writes(strategy, stream, plan, mount)
     group = _checkpoint_process_group(strategy)
     return _write_planned(writes, guard, group, torch.device("cpu") if group is not None else strategy.root_device)
 
 
 class _OwnWrites(NamedTuple):
-    """What global rank ``rank`` writes into the temporary file at ``path``: the ``parts`` of every rank's extents
-    with their writers (see :func:`_split_at_blocks`), and this rank's tensors they come from, by source."""
+    """What global rank ``rank`` writes into ``storage`` (with this rank's flush policy): the ``parts`` of every
+    rank's extents with their writers (see :func:`_split_at_blocks`), and this rank's tensors they come from, by
+    source."""
 
-    path: str
+    storage: _LocalFileStorage
     rank: int
     parts: List[Tuple[int, _Extent]]
     sources: Dict[_Source, torch.Tensor]
-    #: whether this rank ``fdatasync``-s after every chunk it writes (see ``_chunk_fsync_policy``)
-    fsync_chunks: bool
 
 
 def _own_writes(
-    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, table: _RecordTable, mount: Optional[_Mount]
+    strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, plan: _RankZeroPlan, mount: Optional[_Mount]
 ) -> _OwnWrites:
-    """This rank's :class:`_OwnWrites` of ``stream`` into the file of ``table``, from the shapes and its shards, and
-    its flush policy on ``mount``, this rank's mount of the file's directory.
+    """This rank's :class:`_OwnWrites` of ``stream`` into the storage of ``plan``, from the shapes and its shards,
+    and its flush policy on ``mount``, this rank's mount of the file's directory.
 
     Raises:
         MisconfigurationException: where this rank's ``PL_CHECKPOINT_CHUNK_FSYNC`` is invalid (a failure of this
             rank, which the caller's guard reports to the others).
     """
-    fsync_chunks = _chunk_fsync_policy(os.path.dirname(table.path), mount).fsync_chunks
+    fsync_chunks = _chunk_fsync_policy(os.path.dirname(plan.table.path), mount).fsync_chunks
     optimizer_shards = list(_optimizer_shards(strategy, stream))
-    extents = _extents(strategy, optimizer_shards, table)
+    extents = _extents(strategy, optimizer_shards, plan.table)
     block = _write_block_size()
     parts = _split_at_blocks(extents, _block_owners(extents, block), block)
     sources = _own_sources(strategy, optimizer_shards)
-    return _OwnWrites(table.path, strategy.global_rank, parts, sources, fsync_chunks)
+    storage = replace(plan.storage, fsync_chunks=fsync_chunks)
+    return _OwnWrites(storage, strategy.global_rank, parts, sources)
 
 
 def _copy_own_writes(
     strategy: "DDPFullyShardedStrategy",
     stream: _CheckpointStream,
-    table: _RecordTable,
+    plan: _RankZeroPlan,
     mount: Optional[_Mount],
     pool: _HostCopies,
 ) -> _BackgroundWork:
     """This rank's :class:`_OwnWrites` from host copies of its shards (from ``pool``), and their writing by its
     background thread: the block bytes over the background group, then its own ranges."""
-    writes = _own_writes(strategy, stream, table, mount)
+    writes = _own_writes(strategy, stream, plan, mount)
     copies = {source: pool.copy(tensor) for source, tensor in writes.sources.items()}
     writes = writes._replace(sources=copies)
 
@@ -257,7 +255,7 @@ def _copy_own_writes(
         # a rank lost in the exchanges (its own or the final agreement, which the background save's own ``settle``
         # then returns without another exchange) is named, as in a synchronous save: ``wait_for_checkpoint`` raises
         # the ``_PeerLost`` on every rank without another exchange
-        with _naming_lost_ranks(strategy, job.guard, writes.path, close_group=False):
+        with _naming_lost_ranks(strategy, job.guard, plan.table.path, close_group=False):
             pieces = _write_planned(writes, job.guard, job.group, torch.device("cpu"))
             if not job.guard.settle():
                 _send_crcs_to_writer(pieces, job.writer, job.group)
@@ -287,13 +285,15 @@ def _write_planned(
     if guard.failed:
         return []
     with guard.catch():
-        with _RankFile(writes.path, writes.fsync_chunks) as file:
-            for owner, extent in writes.parts:
-                if extent.rank == writes.rank and owner == writes.rank:
-                    file.write(sources[extent.source], extent.at, extent.nbytes, extent.offset)
-            for offset, data in exchange.received():
-                file.write(data, 0, data.numel(), offset)
-        return file.crcs.pieces
+        own = (
+            (extent.offset, sources[extent.source][extent.at : extent.at + extent.nbytes])
+            for owner, extent in writes.parts
+            if extent.rank == writes.rank and owner == writes.rank
+        )
+        crcs = _CrcLedger()
+        # one peer's bytes at a time: ``received`` copies each peer's buffer to the CPU as it goes
+        writes.storage.write(itertools.chain(own, exchange.received()), crcs)
+        return crcs.pieces
     return []
 
 
@@ -442,67 +442,3 @@ class _BlockExchange(NamedTuple):
         """The bytes received, with their offsets in the file (on the CPU)."""
         for peer, extents in self.incoming.items():
             yield from zip((e.offset for e in extents), self.buffers[peer].cpu().split([e.nbytes for e in extents]))
-
-
-class _RankFile:
-    """This rank's descriptor of the temporary file (``O_WRONLY``, no truncation): it writes byte ranges of
-    tensors at given offsets, CPU memory directly and GPU memory through one reused pinned buffer, flushes as the
-    streamed file does (dropping from the page cache the span it wrote into since the last flush, not the whole
-    file), and ``fdatasync``-s and closes on leaving the ``with`` block.
-
-    Args:
-        path: the temporary file global rank 0 made.
-        fsync_chunks: whether to ``fdatasync`` at every flush (see ``_chunk_fsync_policy``).
-        flush_bytes: how many bytes to write between flushes.
-    """
-
-    def __init__(self, path: str, fsync_chunks: bool, flush_bytes: int = 64 * 2**20) -> None:
-        self._fsync_chunks = fsync_chunks
-        #: the CRC-32 of every piece written, computed as it is written
-        self.crcs = _CrcLedger()
-        self._fd = os.open(path, os.O_WRONLY)
-        self._flush_bytes, self._unflushed = flush_bytes, 0
-        #: the byte range of the file written since the last flush
-        self._written: Optional[Tuple[int, int]] = None
-        self._staging: Optional[torch.Tensor] = None
-
-    def __enter__(self) -> "_RankFile":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        try:
-            if exc_type is None:
-                os.fdatasync(self._fd)
-        finally:
-            os.close(self._fd)
-
-    def write(self, data: torch.Tensor, at: int, nbytes: int, offset: int) -> None:
-        """Write bytes ``at`` to ``at + nbytes`` of the flat byte tensor ``data`` at ``offset`` of the file, in
-        steps of at most ``flush_bytes`` (or the staging buffer), flushing in between."""
-        on_cpu = data.device.type == "cpu"
-        step = self._flush_bytes if on_cpu else self._staging_buffer().numel()
-        for start in range(0, nbytes, step):
-            size = min(step, nbytes - start)
-            if on_cpu:
-                view = _memory_of(data.data_ptr() + at + start, size)
-            else:
-                staging = self._staging_buffer()
-                staging[:size].copy_(data[at + start : at + start + size])
-                view = _memory_of(staging.data_ptr(), size)
-            position = offset + start
-            self.crcs.note(position, view)
-            size = _pwrite_all(self._fd, view, position)
-            lo, hi = self._written or (position, position)
-            self._written = (min(lo, position), max(hi, position + size))
-            self._unflushed += size
-            if self._unflushed >= self._flush_bytes:
-                # the span this rank wrote into (other ranks' shards lie between its own), not the whole file: dropping
-                # the whole file's pages at every rank's every flush walks every rank's share of it each time
-                lo, hi = self._written
-                _flush_written(self._fd, self._fsync_chunks, lo, hi - lo)
-                self._unflushed, self._written = 0, None
-
-    def _staging_buffer(self) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-        return self._staging

@@ -53,9 +53,9 @@ from pytorch_lightning.strategies.fsdp_stream_decision import _CheckpointStream
 from pytorch_lightning.utilities.checkpoint_crc import _crc32, _Piece
 from pytorch_lightning.utilities.checkpoint_errors import _checkpoint_process_group
 from pytorch_lightning.utilities.checkpoint_location import _prepare_checkpoint_dir, _redacted
-from pytorch_lightning.utilities.checkpoint_storage import _MultipartDestination
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.collective_guard import _CollectiveGuard
+from pytorch_lightning.utilities.local_file_storage import _memory_of
 from pytorch_lightning.utilities.multipart_upload import (
     _MultipartUpload,
     _part_size,
@@ -63,11 +63,8 @@ from pytorch_lightning.utilities.multipart_upload import (
     S3_MAX_PARTS,
     S3_MIN_PART_BYTES,
 )
-from pytorch_lightning.utilities.streamed_checkpoint_file import (
-    _committed_if_complete,
-    _memory_of,
-    _StreamedCheckpointFile,
-)
+from pytorch_lightning.utilities.object_storage import _MultipartObjectStorage
+from pytorch_lightning.utilities.streamed_checkpoint_file import _committed_if_complete, _StreamedCheckpointFile
 
 if TYPE_CHECKING:
     from pytorch_lightning.strategies.fully_sharded import DDPFullyShardedStrategy
@@ -90,13 +87,21 @@ class _Part(NamedTuple):
 
 
 class _UploadPlan(NamedTuple):
-    """What global rank 0 sends every rank with the checkpoint's structure: where the FSDP records lie, the upload,
-    the object's size and its part size (rank 0's ``PL_CHECKPOINT_PART_BYTES``: every rank cuts the same parts)."""
+    """What global rank 0 sends every rank with the checkpoint's structure: where the FSDP records lie, the storage
+    (the upload and the object's size) and its part size (rank 0's ``PL_CHECKPOINT_PART_BYTES``: every rank cuts the
+    same parts)."""
 
     table: _RecordTable
-    upload: _MultipartUpload
-    size: int
+    storage: _MultipartObjectStorage
     part_bytes: int
+
+    @property
+    def upload(self) -> _MultipartUpload:
+        return self.storage.upload
+
+    @property
+    def size(self) -> int:
+        return self.storage.size
 
     def discard(self) -> None:
         """Nothing to undo here: the scratch file's ``discard`` aborts the upload."""
@@ -106,7 +111,8 @@ def _plan_upload(
     strategy: "DDPFullyShardedStrategy", stream: _CheckpointStream, writer: _StreamedCheckpointFile
 ) -> _UploadPlan:
     """On global rank 0, once it wrote the structure into its scratch ``writer``: check the bucket (never created),
-    start the multipart upload, which the writer completes or aborts, and return the :class:`_UploadPlan`.
+    start the multipart upload, whose storage the writer's commit completes or its discard aborts, and return the
+    :class:`_UploadPlan`.
 
     Raises:
         FileNotFoundError: if the bucket does not exist.
@@ -118,8 +124,8 @@ def _plan_upload(
     size = os.fstat(writer.fileno()).st_size
     part_bytes = _part_size(size)  # a file S3 cannot take fails here, before any upload is started
     upload = _MultipartUpload.start(fs, writer.path)
-    writer.destination = _MultipartDestination(fs, upload)
-    return _UploadPlan(table, upload, size, part_bytes)
+    writer.storage = _MultipartObjectStorage(writer.path, upload, writer.tmp_path, size)
+    return _UploadPlan(table, writer.storage, part_bytes)
 
 
 def _upload_units_by_every_rank(
@@ -194,13 +200,14 @@ def _upload_share(
     group: Optional[Any],
 ) -> None:
     """Upload this rank's parts of the object, then, once the ranks agree that all of them succeeded, hand every
-    rank's parts to global rank 0's ``writer``, whose commit completes the upload. ``share`` is ``None`` where this
-    rank failed to compute it. A failure is recorded in ``guard``. Collective over ``group``."""
+    rank's parts to global rank 0's ``writer``, whose commit completes the upload (its storage's receipts).
+    ``share`` is ``None`` where this rank failed to compute it. A failure is recorded in ``guard``. Collective over
+    ``group``."""
     uploaded = _upload_own_parts(share, plan, writer, guard, group)
     if not guard.settle():
         parts = _gather_to_rank_zero(uploaded, share.world_size, group)
         if writer is not None:
-            writer.destination.parts = [part for rank_parts in parts for part in rank_parts]
+            writer.receipts = [part for rank_parts in parts for part in rank_parts]
 
 
 def _upload_own_parts(
@@ -215,6 +222,7 @@ def _upload_own_parts(
     parts: List[_Part] = []
     sources: Dict[Any, torch.Tensor] = {}
     pieces: List[_Piece] = []
+    storage = plan.storage
     if share is not None:
         with guard.catch():
             sources = {s: t.detach().reshape(-1).view(torch.uint8) for s, t in share.sources.items()}
@@ -224,13 +232,13 @@ def _upload_own_parts(
                 if e.rank == share.rank
             ]
             parts = _parts(plan.size, plan.part_bytes, _cover(share.extents, plan.size), share.world_size)
+            storage = storage.with_parts([part.offset for part in parts])
     if not guard.agree():
         return []
     _send_crcs_to_writer(pieces, writer, group)
     with guard.catch():
         if writer is not None:
             writer.write_crcs()
-    fs = get_filesystem(plan.upload.url)
     fd = -1
     with guard.catch():
         # the writer's own descriptor is write-only
@@ -247,7 +255,7 @@ def _upload_own_parts(
                 return []
             with guard.catch():
                 exchange.run(group)
-                uploaded += plan.upload.upload(fs, exchange.parts())
+                uploaded += storage.write(exchange.parts())
         return uploaded
     finally:
         if fd >= 0:
@@ -350,7 +358,7 @@ class _RoundExchange(NamedTuple):
     buffers where that is not the CPU)."""
 
     own: List[_Part]
-    bodies: Dict[int, bytearray]
+    bodies: Dict[int, torch.Tensor]
     outgoing: List[Tuple[int, int, torch.Tensor]]
     incoming: List[Tuple[int, int, List[torch.Tensor], torch.Tensor]]
 
@@ -361,14 +369,14 @@ class _RoundExchange(NamedTuple):
         """Allocate the round's bodies and buffers and copy this rank's own bytes: local work, which may fail (out of
         memory) before any rank enters the exchange."""
         own = [part for part in parts if part.owner == rank]
-        bodies = {part.number: bytearray(part.nbytes) for part in own}
+        bodies = {part.number: torch.empty(part.nbytes, dtype=torch.uint8) for part in own}
         outgoing, incoming = [], []
         for part in parts:
             by_holder: Dict[int, List[_Extent]] = {}
             for segment in part.segments:
                 by_holder.setdefault(segment.rank, []).append(segment)
             if part.owner == rank:
-                body = torch.frombuffer(bodies[part.number], dtype=torch.uint8)
+                body = bodies[part.number]
                 for holder, segments in by_holder.items():
                     places = [body[s.offset - part.offset :][: s.nbytes] for s in segments]
                     if holder == rank:
@@ -403,9 +411,9 @@ class _RoundExchange(NamedTuple):
                 place.copy_(buffer[position : position + place.numel()])
                 position += place.numel()
 
-    def parts(self) -> List[Tuple[int, bytearray]]:
-        """The round's parts of this rank: their numbers and bodies."""
-        return [(part.number, self.bodies[part.number]) for part in self.own]
+    def parts(self) -> List[Tuple[int, torch.Tensor]]:
+        """The round's parts of this rank: their offsets and bodies (the storage's extents)."""
+        return [(part.offset, self.bodies[part.number]) for part in self.own]
 
 
 def _message(segments: List[_Extent], sources: Dict[Any, torch.Tensor], fd: int, device: torch.device) -> torch.Tensor:

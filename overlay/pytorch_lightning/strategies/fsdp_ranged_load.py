@@ -3,7 +3,8 @@ with ranged reads (S3's ranged GETs), only the bytes it reads.
 
 The local load maps the file and every rank copies the elements of its own shards out of the full tensors (see
 :mod:`.fsdp_restore`, :mod:`.fsdp_portable_optimizer_state`). From an object in S3, each rank instead builds a sparse
-local copy of it (:mod:`~pytorch_lightning.utilities.sparse_object_copy`), through ``fs.cat_ranges``:
+local copy of it (:mod:`~pytorch_lightning.utilities.sparse_object_copy`), through its storage's ranged reads
+(:mod:`~pytorch_lightning.utilities.checkpoint_storage`):
 
 1. the zip's structure (central directory, local headers, ``data.pkl`` and the version records), from which
    ``torch.load(map_location="meta")`` gives every tensor's place in the file without reading any tensor;
@@ -37,7 +38,7 @@ from pytorch_lightning.strategies.fsdp_introspection import _flat_parameter_keys
 from pytorch_lightning.utilities.checkpoint_crc import _ZipIndex
 from pytorch_lightning.utilities.checkpoint_errors import _broadcast_failure, _distributed_run
 from pytorch_lightning.utilities.checkpoint_location import _redacted
-from pytorch_lightning.utilities.checkpoint_storage import _storage_kind
+from pytorch_lightning.utilities.checkpoint_storage_kinds import _storage_for_reading, _storage_kind
 from pytorch_lightning.utilities.checkpoint_verification import _hand_local_copy_to_check, _tensors_of
 from pytorch_lightning.utilities.cloud_io import get_filesystem
 from pytorch_lightning.utilities.cloud_io import load as pl_load
@@ -68,7 +69,7 @@ def _load_checkpoint_in_ranges(strategy: "DDPFullyShardedStrategy", path: _PATH)
     fs = get_filesystem(path)
     url = str(path)
     size, etag = _object_version(strategy, fs, url)
-    copy = _SparseObjectCopy(fs, url, size, etag)
+    copy = _SparseObjectCopy(_storage_for_reading(url, etag), size)
     try:
         index = copy.fetch_structure()
         trainer = strategy.lightning_module.trainer

@@ -39,7 +39,7 @@ from pytorch_lightning.utilities.checkpoint_crc import _crc32, _tiled_crc, _ZipI
 from pytorch_lightning.utilities.checkpoint_location import _redacted
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from pytorch_lightning.utilities.streamed_checkpoint_file import _memory_of
+from pytorch_lightning.utilities.local_file_storage import _memory_of
 
 #: ``0`` turns the check off (see :func:`_verify_wanted`).
 VERIFY_ENV = "PL_CHECKPOINT_VERIFY"

@@ -1,8 +1,9 @@
 """A local, sparse copy of a checkpoint in object storage that holds only the byte ranges a process reads.
 
 :class:`_SparseObjectCopy` makes a local scratch file of the object's size in which nothing is written yet (a hole,
-no disk blocks), then fetches byte ranges into their places with ranged reads, concurrent, never a readahead file
-object (``fs.cat_ranges``; on S3, ranged GETs of one version of the object, see :class:`_SparseObjectCopy`): first
+no disk blocks), then fetches byte ranges into their places with its storage's ranged reads (``read_ranges`` of
+:mod:`~pytorch_lightning.utilities.checkpoint_storage`: concurrent, never a readahead file object; on S3, ranged GETs
+of one version of the object): first
 the zip's structure (:meth:`fetch_structure`: the central directory, the local headers and every record that is not
 a tensor's storage, so ``torch.load`` can read the file), then the tensor bytes this process reads (:meth:`fetch`).
 Loaded with ``torch.load(mmap=True)``, the copy's tensors are backed by its pages; bytes never fetched read as
@@ -15,7 +16,6 @@ The scratch file is unlinked as soon as it is made: it lives while the copy's de
 :mod:`~pytorch_lightning.strategies.fsdp_ranged_load`.
 """
 # fork-feature: fork/object-storage-checkpoints.patch
-import asyncio
 import bisect
 import os
 import tempfile
@@ -23,10 +23,9 @@ import zipfile
 from typing import Iterable, List, Optional, Tuple
 
 from fsspec import AbstractFileSystem
-from fsspec.asyn import sync
 
 from pytorch_lightning.utilities.checkpoint_crc import _ZipIndex
-from pytorch_lightning.utilities.checkpoint_location import _redacted
+from pytorch_lightning.utilities.checkpoint_storage import _CheckpointStorage
 from pytorch_lightning.utilities.multipart_upload import _is_multipart_store
 
 #: The size of the longest ranged GET, and how many bytes one round of concurrent GETs holds in memory at most.
@@ -39,21 +38,17 @@ _Range = Tuple[int, int]
 
 
 class _SparseObjectCopy:
-    """The sparse local copy of version ``etag`` (``size`` bytes) of the object at ``url`` on ``fs`` (see the
-    module's docstring and :meth:`version_of`). On S3 every ranged GET carries ``If-Match: etag``.
+    """The sparse local copy of the ``size`` bytes of the checkpoint in ``storage`` (see the module's docstring; made
+    for reading one version of it, see :meth:`version_of`).
 
     Args:
-        fs: the object's filesystem.
-        url: the object.
+        storage: where the checkpoint is.
         size: its size.
-        etag: its ETag, or ``None`` where the filesystem gives none (the version is then not checked).
         directory: where the scratch file is made (the system's temporary directory by default).
     """
 
-    def __init__(
-        self, fs: AbstractFileSystem, url: str, size: int, etag: Optional[str] = None, directory: Optional[str] = None
-    ) -> None:
-        self.fs, self.url, self.size, self.etag = fs, url, size, etag
+    def __init__(self, storage: _CheckpointStorage, size: int, directory: Optional[str] = None) -> None:
+        self.storage, self.url, self.size = storage, storage.url, size
         self._fd, scratch = tempfile.mkstemp(prefix="pl-checkpoint-", suffix=".ckpt", dir=directory)
         os.unlink(scratch)
         os.ftruncate(self._fd, self.size)
@@ -145,56 +140,12 @@ class _SparseObjectCopy:
         return missing
 
     def _fetch_round(self, pieces: List[_Range]) -> None:
-        if self.etag is not None:
-            data = self._get_ranges_of_version(pieces)
-        else:
-            data = self.fs.cat_ranges(
-                [self.url] * len(pieces), [s for s, _ in pieces], [e for _, e in pieces], on_error="raise"
-            )
-        for (start, end), chunk in zip(pieces, data):
-            if len(chunk) != end - start:
-                raise OSError(
-                    f"A ranged read of {_redacted(self.url)} at {start} gave {len(chunk)} bytes, not {end - start}:"
-                    " the object changed while it was loaded. Load it again."
-                )
+        for (start, end), chunk in zip(pieces, self.storage.read_ranges(pieces)):
             view, position = memoryview(chunk), start
             while view:
                 written = os.pwrite(self._fd, view, position)
                 view, position = view[written:], position + written
             self.fetched_bytes += end - start
-
-    def _get_ranges_of_version(self, pieces: List[_Range]) -> List[bytes]:
-        """S3's ranged GETs of ``pieces`` with ``If-Match`` (s3fs's ``cat_ranges`` passes no condition),
-        concurrently through s3fs's event loop and client, which retries them as configured."""
-        bucket, key, _ = self.fs.split_path(self.url)
-
-        async def get(start: int, end: int) -> bytes:
-            answer = await self.fs._call_s3(
-                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=self.etag
-            )
-            try:
-                return await answer["Body"].read()
-            finally:
-                answer["Body"].close()
-
-        async def get_all() -> List[bytes]:
-            # every GET ends before an error is raised: none of them is left writing into the copy
-            results = await asyncio.gather(*(get(start, end) for start, end in pieces), return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-            return results
-
-        try:
-            return sync(self.fs.loop, get_all)
-        except OSError as ex:
-            code = getattr(ex.__cause__, "response", {}).get("Error", {}).get("Code")
-            if code == "PreconditionFailed":
-                raise OSError(
-                    f"The object {_redacted(self.url)} was replaced while it was loaded (its ETag is no longer"
-                    f" {self.etag}). Load it again."
-                ) from None
-            raise
 
 
 def _merged(ranges: Iterable[_Range]) -> List[_Range]:

@@ -5,7 +5,6 @@ Used by :mod:`~pytorch_lightning.strategies.fsdp_streaming_save`; the file is ma
 committed and discarded as :func:`~pytorch_lightning.utilities.atomic_save.save_atomically` does.
 """
 # fork-feature: fork/fsdp-streaming-save.patch
-import ctypes
 import inspect
 import os
 from contextlib import nullcontext
@@ -13,11 +12,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from pytorch_lightning.utilities.atomic_save import (
-    _create_temporary_file,
-    _fsync_directory,
-    remove_stale_temporary_files,
-)
+from pytorch_lightning.utilities.atomic_save import _create_temporary_file, remove_stale_temporary_files
 from pytorch_lightning.utilities.checkpoint_crc import (
     _CrcLedger,
     _Piece,
@@ -26,6 +21,14 @@ from pytorch_lightning.utilities.checkpoint_crc import (
     _ZipIndex,
 )
 from pytorch_lightning.utilities.checkpoint_flush import _chunk_fsync_policy, _log_chunk_fsync_policy, _mount_of
+from pytorch_lightning.utilities.checkpoint_storage import _CheckpointStorage
+from pytorch_lightning.utilities.local_file_storage import (
+    _LocalFileStorage,
+    _LocalFileWriter,
+    _memory_of,
+    _remove_quietly,
+    FLUSH_BYTES,
+)
 from pytorch_lightning.utilities.safe_load import loading_own_file, safe_load
 from pytorch_lightning.utilities.types import _PATH
 
@@ -55,10 +58,11 @@ class _StreamedCheckpointFile:
     entries (see :mod:`~pytorch_lightning.utilities.checkpoint_crc`).
 
     As with :func:`~pytorch_lightning.utilities.cloud_io.atomic_save`, everything is written into a new temporary file
-    in the destination directory: :meth:`commit` flushes and ``fsync``-s it and renames it over ``path``;
-    :meth:`discard` removes it, leaving any earlier file at ``path`` untouched. Written data is flushed to disk every
-    ``flush_bytes`` and dropped from the page cache, so that a memory-limited container is not charged for the whole
-    file.
+    in the destination directory, the staged file of its :attr:`storage` (a
+    :class:`~pytorch_lightning.utilities.local_file_storage._LocalFileStorage`): :meth:`commit` has the storage
+    ``fsync`` it and rename it over ``path``; :meth:`discard` removes it, leaving any earlier file at ``path``
+    untouched. Written data is flushed to disk every ``flush_bytes`` and dropped from the page cache, so that a
+    memory-limited container is not charged for the whole file.
 
     Where an ``fsync`` uploads the file or waits on a server (FUSE mounts of object stores, NFS, Lustre: see
     :mod:`~pytorch_lightning.utilities.checkpoint_flush`; ``PL_CHECKPOINT_CHUNK_FSYNC`` overrides the choice), the
@@ -66,12 +70,14 @@ class _StreamedCheckpointFile:
     ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the whole file; on Linux that starts writeback of its dirty pages
     without waiting for it (``WB_SYNC_NONE``) and drops those already written back, while the kernel's dirty limits
     throttle the writer before the rest pile up, so the page cache stays bounded without waiting for the server.
+    The file is written through a :class:`~pytorch_lightning.utilities.local_file_storage._LocalFileWriter`, as the
+    other ranks of a parallel save write theirs.
 
     A checkpoint for object storage is built in a local scratch file instead (``directory``), whose structure the
     processes upload with their data (see :mod:`~pytorch_lightning.strategies.fsdp_parallel_upload`): torch writes a
-    skipped tensor's bytes as a hole, so the file takes the room of the structure only. :meth:`commit` then calls
-    ``destination.publish(tmp_path)`` instead of the rename, and :meth:`discard` ``destination.abandon()`` (see
-    :mod:`~pytorch_lightning.utilities.checkpoint_storage`).
+    skipped tensor's bytes as a hole, so the file takes the room of the structure only. Its :attr:`storage` is set
+    once the save knows it (see :mod:`~pytorch_lightning.utilities.checkpoint_storage`): :meth:`commit` then uploads
+    or copies the file instead of the rename, and :meth:`discard` aborts the upload.
 
     Args:
         path: the local path the checkpoint is saved to (with ``directory``, its URL).
@@ -79,30 +85,33 @@ class _StreamedCheckpointFile:
         directory: the local directory of the scratch file, where the checkpoint goes elsewhere.
     """
 
-    def __init__(self, path: _PATH, flush_bytes: int = 64 * 2**20, directory: Optional[str] = None) -> None:
+    def __init__(self, path: _PATH, flush_bytes: int = FLUSH_BYTES, directory: Optional[str] = None) -> None:
         if directory is None:
             # Write through a symlink to its target, as ``atomic_save`` does.
             self.path = os.path.realpath(str(path))
             self._dirname = os.path.dirname(self.path)
         else:
             self.path, self._dirname = str(path), directory
-        #: where a scratch file's bytes go (an object with ``publish(tmp_path)`` and ``abandon()``), set once known
-        self.destination: Optional[Any] = None
         self._crcs_written = False
         # decided before the temporary file is made, which an invalid `PL_CHECKPOINT_CHUNK_FSYNC` would leave behind
         #: the mount the file is on (``None`` where the mount table cannot be read), read once per file
         self.mount = _mount_of(self._dirname)
         policy = _chunk_fsync_policy(self._dirname, self.mount)
         _log_chunk_fsync_policy(policy, flush_bytes)
-        self._fsync_chunks = policy.fsync_chunks
         os.makedirs(self._dirname, exist_ok=True)
         remove_stale_temporary_files(self._dirname)
         self.tmp_path, self._fd = _create_temporary_file(self._dirname, os.path.basename(self.path))
         self._flush_bytes = flush_bytes
-        self._unflushed = 0
+        #: where the file goes when it is committed: the local file at ``path``, or (a scratch file) set once known
+        self.storage: Optional[_CheckpointStorage] = (
+            _LocalFileStorage(self.path, self.tmp_path) if directory is None else None
+        )
+        #: what the storage's commit needs of every rank's writes (see ``_CheckpointStorage.write``)
+        self.receipts: List[Any] = []
         self._offsets: Dict[int, int] = {}
         #: the CRC-32 of every piece written into the file, here and (:meth:`add_crcs`) by other processes
         self._crcs = _CrcLedger()
+        self._out = _LocalFileWriter(self._fd, policy.fsync_chunks, flush_bytes, self._crcs, whole_file=True)
         #: where the file's records lie, once :meth:`write_skeleton` wrote them
         self.index: Optional[_ZipIndex] = None
         #: set by the writer once every value is written: leaving the ``with`` block then commits the file
@@ -153,13 +162,13 @@ class _StreamedCheckpointFile:
             self._offsets[key] = offset
             if key not in pending_keys and offset not in written:
                 storage = tensor.untyped_storage().cpu()
-                self._pwrite(_memory_of(storage.data_ptr(), storage.nbytes()), offset)
+                self._out.write_buffer(_memory_of(storage.data_ptr(), storage.nbytes()), offset, flush=False)
             written.add(offset)
         self.index = _ZipIndex.read(self.tmp_path)
         records = sum(1 for record in self.index.records if record.is_tensor)
         if len(written) != records or not pending_keys <= set(self._offsets):
             raise _NotStreamable("some tensors of the checkpoint are not in a dict, list or tuple")
-        if self._unflushed >= self._flush_bytes:
+        if self._out.unflushed >= self._flush_bytes:
             self.flush()
 
     def write(self, placeholder: torch.Tensor, values: torch.Tensor, element_offset: int = 0) -> None:
@@ -167,9 +176,7 @@ class _StreamedCheckpointFile:
         ``element_offset``."""
         values = values.detach().cpu().contiguous()
         offset = self.offset_of(placeholder) + element_offset * placeholder.element_size()
-        self._pwrite(_memory_of(values.data_ptr(), values.numel() * values.element_size()), offset)
-        if self._unflushed >= self._flush_bytes:
-            self.flush()
+        self._out.write_buffer(_memory_of(values.data_ptr(), values.numel() * values.element_size()), offset)
 
     def write_shards(
         self,
@@ -200,36 +207,27 @@ class _StreamedCheckpointFile:
         :class:`~pytorch_lightning.utilities.checkpoint_crc._CrcLedger`)."""
         self._crcs.pieces.extend(pieces)
 
-    def _pwrite(self, data: Any, offset: int) -> None:
-        self._crcs.note(offset, data)
-        self._unflushed += _pwrite_all(self._fd, data, offset)
-
     def flush(self) -> None:
-        """Write the data written so far to disk (or, without chunk ``fsync``-s, start writing it) and drop what is
-        written from the page cache."""
-        _flush_written(self._fd, self._fsync_chunks)
-        self._unflushed = 0
+        """Write the data written since the last flush to disk (or, without chunk ``fsync``-s, start writing it) and
+        drop it from the page cache."""
+        self._out.flush()
 
     def commit(self) -> None:
         """Write the CRC-32 of every record (every byte of it must have been written, here or by the processes whose
-        pieces :meth:`add_crcs` added), make the file durable and rename it over ``path``."""
+        pieces :meth:`add_crcs` added), then have the :attr:`storage` commit the file with :attr:`receipts` (a local
+        file: made durable and renamed over ``path``)."""
+        storage = self.storage
         try:
             self.write_crcs()
-            if self.destination is not None:
-                self.destination.publish(self.tmp_path)
-                self.destination = None
-                self.discard()
-                self.committed = True
-                return
-            os.fsync(self._fd)
-            os.replace(self.tmp_path, self.path)
+            if storage is None:
+                raise RuntimeError(f"the scratch file of {self.path!r} was given nowhere to go")
+            self._close()
+            storage.commit(self.receipts)
         except BaseException:
             self.discard()
             raise
-        os.close(self._fd)
-        self._fd = -1
+        self.storage = None
         self.committed = True
-        _fsync_directory(self._dirname)
 
     def write_crcs(self) -> None:
         """Write the CRC-32 of every record into the file's data descriptors and central directory, once (see
@@ -239,41 +237,24 @@ class _StreamedCheckpointFile:
             self._crcs_written = True
 
     def discard(self) -> None:
-        """Remove the temporary file (and abandon its destination's upload); the file at ``path``, if any, is left as
-        it was."""
-        destination, self.destination = self.destination, None
+        """Have the :attr:`storage` discard the save (remove the temporary file, abort an upload); the file at
+        ``path``, if any, is left as it was. Nothing once the file is committed."""
+        storage, self.storage = self.storage, None
         try:
-            if self._fd >= 0:
-                try:
-                    os.remove(self.tmp_path)
-                except OSError:
-                    pass
-                os.close(self._fd)
-                self._fd = -1
+            self._close()
         finally:
-            if destination is not None:
-                destination.abandon()
+            if storage is not None:
+                storage.discard()
+            elif not self.committed:
+                # a scratch file given nowhere to go yet
+                _remove_quietly(self.tmp_path)
 
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> int:
-    """Write all of ``data`` (a buffer) at ``offset`` of the file ``fd`` (``pwrite`` may write less than asked);
-    returns its size in bytes."""
-    view = memoryview(data).cast("B")
-    size = len(view)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-    return size
-
-
-def _flush_written(fd: int, fsync_chunks: bool, offset: int = 0, length: int = 0) -> None:
-    """Write what was written to ``fd`` to disk (``fsync_chunks``), or start writing it, and drop what is written
-    from the page cache, of the whole file or of ``length`` bytes at ``offset``; see :class:`_StreamedCheckpointFile`.
-    """
-    if fsync_chunks:
-        os.fdatasync(fd)
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    def _close(self) -> None:
+        # marked closed first: a ``close`` that reports an error (NFS, FUSE: a delayed write error) has released the
+        # descriptor, whose number another thread may have been given by the time a ``discard`` follows
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _committed_if_complete(writer: Optional[_StreamedCheckpointFile]) -> ContextManager[Any]:
@@ -300,11 +281,3 @@ def _paired_tensors(obj: Any, twin: Any) -> Iterator[Tuple[torch.Tensor, torch.T
     elif isinstance(obj, (list, tuple)):
         for value, value_twin in zip(obj, twin):
             yield from _paired_tensors(value, value_twin)
-
-
-def _memory_of(address: int, size: int) -> memoryview:
-    """The ``size`` bytes of CPU memory at ``address``, without a copy. Unlike ``Tensor.numpy()``, this leaves the
-    tensor's storage resizable, which FSDP needs to free its gathered parameters."""
-    if size == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
