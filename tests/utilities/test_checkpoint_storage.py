@@ -81,6 +81,10 @@ def case(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[_Case]:
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         yield _Case(kind, f"s3://{bucket}/run/last.ckpt", tmp_path, fs, server.endpoint)
     else:
+        from pytorch_lightning.utilities import object_storage
+
+        # the copy into the stream then takes several blocks
+        request.getfixturevalue("monkeypatch").setattr(object_storage, "_COPY_BYTES", MiB)
         fs = fsspec.filesystem("memory")
         url = f"memory://storage-test-{os.getpid()}-{tmp_path.name}/last.ckpt"
         yield _Case(kind, url, tmp_path, fs)
