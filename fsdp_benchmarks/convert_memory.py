@@ -5,14 +5,19 @@ Writes a checkpoint file in the fork's portable FSDP layout: a ``state_dict`` of
 linear layers (``--size-mb`` of fp32 weights in all), and the optimizer state as FSDP saves it, one record per unit
 and state key with a view per parameter, plus ``param_names``. The file is synthetic (no FSDP run), so it is the same
 whatever the strategy's save writes; the converter reads only this layout. Then, in a fresh process per method (with
-``MALLOC_MMAP_THRESHOLD_=65536``, as ``checkpoint_memory`` runs its ranks), it converts the file into a DCP directory
-and measures the extra memory of the conversion with ``fsdp_harness.memory_sampler.PeakMemory``:
+``MALLOC_MMAP_THRESHOLD_=65536``, as ``checkpoint_memory`` runs its ranks), it converts the file (into a DCP
+directory, or the model weights into safetensors shards) and measures the extra memory of the conversion with
+``fsdp_harness.memory_sampler.PeakMemory``:
 
 - ``converter``: ``convert_checkpoint(SRC, DST, to="dcp")``, what
   ``python -m pytorch_lightning.utilities.convert_checkpoint`` runs;
 - ``by-hand``: what a user writes with torch alone, as DeepSpeed's ``zero_to_fp32.py`` and DCP's
   ``dcp_to_torch_save`` hold a whole model: ``torch.load`` of the whole file, then ``dcp.save`` of the same
-  ``{"model", "optim"}`` with ``no_dist=True``.
+  ``{"model", "optim"}`` with ``no_dist=True``;
+- ``converter-safetensors``: ``convert_checkpoint(SRC, DST, to="safetensors", dtype="bfloat16")``, the model weights
+  published in bf16 (each tensor converted), in shards of ``--shard-mb``;
+- ``by-hand-safetensors``: what a user writes with ``huggingface_hub``: ``torch.load(mmap=True)``, each weight
+  converted to bf16, then ``huggingface_hub.save_torch_state_dict`` with the same shard size.
 
 Reported per method: peak extra anonymous memory (what cannot be reclaimed), mapped file pages (the memory-mapped
 source: page cache, reclaimable), wall time, against the file size and the largest tensor. Exits non-zero when the
@@ -34,7 +39,7 @@ from fsdp_harness.memory_sampler import MIB  # noqa: E402
 from fsdp_harness.multiprocess import run_module  # noqa: E402
 
 MODULE = "fsdp_benchmarks.convert_memory"
-METHODS = ["converter", "by-hand"]
+METHODS = ["converter", "by-hand", "converter-safetensors", "by-hand-safetensors"]
 SLACK_MB = 16
 OPTIMIZER_KEYS = {"adam": ["exp_avg", "exp_avg_sq"], "sgd": ["momentum_buffer"]}
 
@@ -66,15 +71,33 @@ def write_checkpoint(path: Path, size_mb: float, units: int, optimizer: str) -> 
     return {"file_mb": path.stat().st_size / MIB, "largest_tensor_mb": largest / MIB, "width": width}
 
 
-def measure(method: str, src: Path, dst: Path) -> Dict[str, Any]:
+def measure(method: str, src: Path, dst: Path, shard_mb: float) -> Dict[str, Any]:
     """One conversion in this process, measured."""
     from fsdp_harness.memory_sampler import PeakMemory
 
+    shard_bytes = int(shard_mb * MIB)
     if method == "converter":
         from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint
 
         with PeakMemory() as meter:
             convert_checkpoint(src, dst, to="dcp", progress=False)
+    elif method == "converter-safetensors":
+        from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint
+
+        with PeakMemory() as meter:
+            convert_checkpoint(
+                src, dst, to="safetensors", dtype="bfloat16", max_shard_size=str(shard_bytes), progress=False
+            )
+    elif method == "by-hand-safetensors":
+        import torch
+        from huggingface_hub import save_torch_state_dict
+
+        dst.mkdir(parents=True, exist_ok=True)
+        with PeakMemory() as meter:
+            state_dict = torch.load(src, mmap=True, weights_only=True)["state_dict"]
+            weights = {key: value.to(torch.bfloat16) for key, value in state_dict.items()}
+            save_torch_state_dict(weights, str(dst), max_shard_size=shard_bytes)
+            del state_dict, weights
     else:
         import torch
         import torch.distributed.checkpoint as dcp
@@ -96,16 +119,17 @@ def run(args: argparse.Namespace, folder: Path) -> List[Dict[str, Any]]:
     results = []
     for method in METHODS:
         out = folder / f"{method}.json"
-        argv = ["--measure", method, "--src", str(src), "--dst", str(folder / f"{method}.dcp"), "--result", str(out)]
+        argv = ["--measure", method, "--src", str(src), "--dst", str(folder / f"{method}.out"), "--result", str(out)]
+        argv += ["--shard-mb", str(args.shard_mb)]
         launched = run_module(MODULE, argv, timeout=args.timeout, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
         if launched.returncode != 0 or not out.exists():
             raise SystemExit(f"{method} failed (exit code {launched.returncode}):\n{launched.output[-4000:]}")
         results.append({**json.loads(out.read_text()), **info})
-        shutil.rmtree(folder / f"{method}.dcp", ignore_errors=True)
+        shutil.rmtree(folder / f"{method}.out", ignore_errors=True)
     bound = 2 * info["largest_tensor_mb"] + SLACK_MB
     for result in results:
         result["bound_mb"] = bound
-        result["ok"] = result["method"] != "converter" or result["peak_extra_mb"] <= bound
+        result["ok"] = not result["method"].startswith("converter") or result["peak_extra_mb"] <= bound
     return results
 
 
@@ -114,11 +138,11 @@ def table(results: List[Dict[str, Any]]) -> str:
     lines = [
         f"file {first['file_mb']:.1f} MiB, largest tensor {first['largest_tensor_mb']:.1f} MiB; converter bound"
         f" {first['bound_mb']:.1f} MiB (2 x largest tensor + {SLACK_MB} MiB)",
-        f"{'method':<10} {'extra anon MiB':>15} {'x file':>7} {'mapped file MiB':>16} {'seconds':>8}  ok",
+        f"{'method':<21} {'extra anon MiB':>15} {'x file':>7} {'mapped file MiB':>16} {'seconds':>8}  ok",
     ]
     for r in results:
         lines.append(
-            f"{r['method']:<10} {r['peak_extra_mb']:>15.1f} {r['peak_extra_mb'] / r['file_mb']:>7.2f}"
+            f"{r['method']:<21} {r['peak_extra_mb']:>15.1f} {r['peak_extra_mb'] / r['file_mb']:>7.2f}"
             f" {r['peak_extra_file_mb']:>16.1f} {r['seconds']:>8.2f}  {'yes' if r['ok'] else 'NO'}"
         )
     return "\n".join(lines)
@@ -129,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--size-mb", type=float, default=256, help="fp32 weights in MiB (the file: about 3x, Adam)")
     parser.add_argument("--units", type=int, default=16, help="blocks, one optimizer record per block and state key")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_KEYS), default="adam")
+    parser.add_argument("--shard-mb", type=float, default=64, help="the safetensors methods' largest shard, in MiB")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--out", type=Path, help="folder for the files (default: a temp dir, removed)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measured conversion")
@@ -142,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     if args.measure:
-        args.result.write_text(json.dumps(measure(args.measure, args.src, args.dst)))
+        args.result.write_text(json.dumps(measure(args.measure, args.src, args.dst, args.shard_mb)))
         return
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.out or Path(scratch)

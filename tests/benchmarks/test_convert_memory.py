@@ -26,10 +26,12 @@ def test_convert_memory_benchmark_smoke(tmp_path):
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=290,
     )
     assert proc.returncode == 0, proc.stdout[-8000:]
-    assert "converter" in proc.stdout and "by-hand" in proc.stdout  # the table
+    assert "converter-safetensors" in proc.stdout and "by-hand" in proc.stdout  # the table
     results = json.loads(json_path.read_text())
-    assert [r["method"] for r in results] == ["converter", "by-hand"]
+    methods = ["converter", "by-hand", "converter-safetensors", "by-hand-safetensors"]
+    assert [r["method"] for r in results] == methods
     for result in results:
         assert KEYS <= set(result) and result["ok"], result
         assert result["largest_tensor_mb"] <= 2 and result["file_mb"] > 3 * 7
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["by-hand.json", "converter.json", "source.ckpt"]
+    expected = sorted([f"{method}.json" for method in methods] + ["source.ckpt"])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == expected

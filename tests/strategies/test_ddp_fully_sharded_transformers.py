@@ -7,6 +7,9 @@ Trainer resumes from it exactly on every rank: parameters, optimizer shards and 
 statistics, which are per rank (the file holds global rank 0's; ``SyncBatchNorm``, on GPUs, keeps them in step).
 GPT-2 with only its body wrapped shows a tie that FSDP splits between an instance and the head outside it.
 """
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -22,6 +25,10 @@ DEVICES = 2
 
 
 ENV = {"HF_HUB_OFFLINE": "1"}
+
+
+def _env() -> Dict[str, str]:
+    return {**os.environ, **ENV}
 # both models' ``cases`` run in one launch (``transformers_runs``)
 BATCH_TIMEOUT = 840
 
@@ -128,3 +135,59 @@ def test_transformers_models_save_and_resume_exactly_multi_gpu(tmp_path, model, 
     extra = ["--sync-batchnorm"] if sync_batchnorm else []
     cases = run_cases(tmp_path, model, "--wrappings", *WRAPPINGS[model], "--accelerator", "gpu", *extra)
     check_cases(cases, model, WRAPPINGS[model], synced_statistics=sync_batchnorm, atol=1e-5)
+
+
+def _shard_limit_for(shards: int, path: Path, dtype: str) -> int:
+    """A ``--max-shard-size`` (bytes) that cuts the published weights of the checkpoint at ``path``, in ``dtype``,
+    into ``shards`` files, as huggingface_hub cuts them."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    state_dict = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    weights = {k[len("model.") :]: v.to(getattr(torch, dtype)) for k, v in state_dict.items()}
+    total = sum(v.nbytes for v in weights.values())
+    for limit in range(total // shards, total, 1024):
+        if len(split_torch_state_dict_into_shards(weights, max_shard_size=limit).filename_to_tensors) == shards:
+            return limit
+    raise AssertionError(f"no limit gives {shards} shards")
+
+
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
+def test_a_gpt2_trained_under_fsdp_is_published_for_transformers(transformers_runs, tmp_path):
+    """The streamed checkpoint of GPT-2 (tied embeddings, a block per FSDP unit, 2 ranks), converted with
+    ``--to safetensors --strip-prefix model.`` into 3 shards, loads in ``transformers`` with no missing, unexpected
+    or mismatched key and gives the fork model's logits; ``--dtype bfloat16`` gives bf16 shards."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_harness.multiprocess import ROOT
+    from tests.strategies.fsdp_transformers_scenarios import build_model
+
+    folder = transformers_runs.folder("gpt2")
+    records = load_cases(folder, transformers_runs.results("gpt2"))["block-streamed"]
+    assert records[0]["stream_reason"] is None
+    path = folder / "block-streamed" / "straight" / "ckpts" / "epoch=1.ckpt"
+    fork_model = build_model("gpt2").eval()
+    # the fork model at the end of training: its gathered parameters, every name of the tie
+    fork_model.load_state_dict({k[len("model.") :]: v for k, v in records[0]["straight"]["params"].items()})
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for dtype in ("float32", "bfloat16"):
+        dst, limit = tmp_path / dtype, _shard_limit_for(3, path, dtype)
+        cli = [sys.executable, "-m", "pytorch_lightning.utilities.convert_checkpoint", str(path), str(dst)]
+        options = ["--to", "safetensors", "--strip-prefix", "model.", "--max-shard-size", str(limit), "--dtype", dtype]
+        done = subprocess.run([*cli, *options], cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+        assert done.returncode == 0, done.stderr
+        shards = sorted(p.name for p in dst.glob("*.safetensors"))
+        assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+        for shard in shards:
+            with safe_open(str(dst / shard), "pt") as f:
+                assert f.metadata() == {"format": "pt"}
+                assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"F32" if dtype == "float32" else "BF16"}
+        build_model("gpt2").config.save_pretrained(dst)
+        published, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True)
+        assert all(not info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        with torch.no_grad():
+            logits, expected = published.eval()(tokens).logits, fork_model(tokens).logits
+        if dtype == "float32":
+            assert torch.equal(logits, expected)
+        else:
+            assert logits.dtype == torch.bfloat16 and torch.allclose(logits.float(), expected, atol=0.1)

@@ -3,8 +3,9 @@ its writes slowed,
 
     python -m tests.utilities.convert_checkpoint_faults slow SECONDS -- SRC DST --to dcp
 
-(every write of torch's DCP file writer first sleeps ``SECONDS``, a slow disk, so that a test can kill or interrupt
-the conversion mid-write), and :func:`hooked_create_stream` with :func:`enospc_after`, with which a test fails the
+(every write of torch's DCP file writer, and every ``os.pwrite``, with which ``--to safetensors`` puts converted
+tensors into their place, first sleeps ``SECONDS``, a slow disk, so that a test can kill or interrupt the conversion
+mid-write), and :func:`hooked_create_stream` with :func:`enospc_after`, with which a test fails the
 writes of a conversion in its own process as a full disk fails them. The hook wraps the streams of
 ``torch.distributed.checkpoint.filesystem.FileSystem``, the ones ``FileSystemWriter`` writes its data and metadata
 files through; the rest is the command line itself.
@@ -61,7 +62,15 @@ def main() -> None:
     # Python's Ctrl-C handler, as in a terminal: a test run started in the background by a non-interactive shell
     # (`pytest ... &`) ignores SIGINT, and its children inherit that
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    FileSystem.create_stream = hooked_create_stream(_slow(float(value)))
+    slow = _slow(float(value))
+    FileSystem.create_stream = hooked_create_stream(slow)
+    pwrite = os.pwrite
+
+    def slow_pwrite(fd: int, data: Any, offset: int) -> int:
+        slow(data)
+        return pwrite(fd, data, offset)
+
+    os.pwrite = slow_pwrite
     convert_checkpoint.main(argv)
 
 

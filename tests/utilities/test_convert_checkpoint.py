@@ -105,21 +105,24 @@ def _cli(*argv: Any) -> subprocess.CompletedProcess:
 
 
 def _start_slow(*argv: Any) -> subprocess.Popen:
-    """The command line with every DCP write slowed by 50 ms, writing progress and errors to its ``stdout``."""
+    """The command line with every DCP write slowed by 50 ms (every ``os.pwrite`` of ``--to safetensors``, one per
+    converted tensor, by 1 s), writing progress and errors to its ``stdout``."""
+    seconds = "1" if "safetensors" in map(str, argv) else "0.05"
     return subprocess.Popen(
-        [sys.executable, "-m", FAULTS, "slow", "0.05", "--", *map(str, argv)], cwd=ROOT, stdout=subprocess.PIPE,
+        [sys.executable, "-m", FAULTS, "slow", seconds, "--", *map(str, argv)], cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )
 
 
 def _wait_for_data_written(folder: Path, process: subprocess.Popen, timeout: float = 60) -> Path:
-    """The work directory of the conversion, once it is writing tensors: its data file holds more than the pickled
-    values that DCP writes first (the groups' hyperparameters, a few KiB)."""
+    """The work directory of the conversion, once it is writing tensors: its DCP data file holds more than the
+    pickled values that DCP writes first (the groups' hyperparameters, a few KiB), or a safetensors file is there
+    (``safetensors`` wrote it, the converted tensors are going into their places)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[0]
         for work in folder.glob(".*.converting"):
-            if any(f.stat().st_size > 64 * 1024 for f in work.glob("*.distcp")):
+            if any(f.stat().st_size > 64 * 1024 for f in work.glob("*.distcp")) or any(work.glob("*.safetensors")):
                 return work
         time.sleep(0.02)
     raise AssertionError("the conversion wrote no tensors in time")
@@ -284,12 +287,17 @@ def test_full_disk_leaves_nothing(source, tmp_path, disk, capsys, monkeypatch):
             subprocess.run(["umount", str(folder)], check=True)
 
 
+#: the command-line options of each target layout in the fault tests (safetensors: converted, so written by pwrite)
+TARGETS = {"dcp": ["--to", "dcp"], "safetensors": ["--to", "safetensors", "--dtype", "bfloat16"]}
+
+
 @pytest.mark.timeout(180)
-def test_killed_conversion_is_removed_by_the_next(source, tmp_path):
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_killed_conversion_is_removed_by_the_next(source, tmp_path, target):
     """``kill -9`` while the data file is being written leaves the work directory; the next conversion into the
     folder (here in this process) removes it and succeeds."""
     dst = tmp_path / "out.dcp"
-    process = _start_slow(source, dst, "--to", "dcp")
+    process = _start_slow(source, dst, *TARGETS[target])
     try:
         work = _wait_for_data_written(tmp_path, process)
         process.send_signal(signal.SIGKILL)
@@ -299,16 +307,17 @@ def test_killed_conversion_is_removed_by_the_next(source, tmp_path):
     assert work.is_dir() and not dst.exists()
     assert work.name.startswith(".out.dcp.") and f".{process.pid}." in work.name
 
-    assert main([str(source), str(dst), "--to", "dcp", "--no-progress"]) in (None, 0)
+    assert main([str(source), str(dst), *TARGETS[target], "--no-progress"]) in (None, 0)
     assert _leftovers(tmp_path) == [] and dst.is_dir()
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_interrupted_conversion_leaves_nothing(source, tmp_path, signum):
+def test_interrupted_conversion_leaves_nothing(source, tmp_path, signum, target):
     """``SIGTERM`` (a scheduler's stop) or ``SIGINT`` (Ctrl-C) mid-write: the conversion removes its work directory
     and exits with 128 + the signal's number."""
-    process = _start_slow(source, tmp_path / "out.dcp", "--to", "dcp")
+    process = _start_slow(source, tmp_path / "out.dcp", *TARGETS[target])
     try:
         _wait_for_data_written(tmp_path, process)
         process.send_signal(signum)

@@ -1,11 +1,19 @@
 """Convert a Lightning checkpoint file into a layout another trainer loads, one tensor at a time:
 
     python -m pytorch_lightning.utilities.convert_checkpoint last.ckpt last.dcp --to dcp
+    python -m pytorch_lightning.utilities.convert_checkpoint last.ckpt hub/ --to safetensors --strip-prefix model.
+
+``--to safetensors`` writes the model weights as the Hugging Face Hub lays them out (``model.safetensors``, or shards
+of at most ``--max-shard-size`` with ``model.safetensors.index.json``), keeping the keys under ``--strip-prefix`` with
+the prefix stripped (Lightning's attribute, ``model.``), in ``--dtype``, each tied duplicate that ``--tie KEEP=DROP``
+names dropped where its values equal the kept weight's (see
+:mod:`~pytorch_lightning.utilities.safetensors_export`); it needs ``safetensors`` and ``huggingface_hub``.
 
 ``--to dcp`` writes a torch Distributed Checkpoint (DCP) directory holding ``{"model": <the state_dict>, "optim":
-<the optimizer state keyed by parameter name>}``, the layout torch's ``get_state_dict``/``set_state_dict`` and
-torchtitan use, so a torch FSDP or FSDP2 (``fully_shard``) job at any scale loads it with ``dcp.load`` (each rank
-reads only its shards) and ``set_state_dict``.
+<the optimizer state keyed by parameter name>}``, what torch's ``get_state_dict``/``set_state_dict`` give and take, so
+a torch FSDP or FSDP2 (``fully_shard``) job at any scale loads it with ``dcp.load`` (each rank reads only its shards)
+and ``set_state_dict``. (torchtitan's keys are ``"model"``, or the model's keys at the top level, and
+``"optimizer"``, its optimizer state flattened.)
 
 The source is memory-mapped and the tensors are written one after the other, so the conversion needs about one
 tensor of memory beyond the file's pages in the page cache. Each record of the source is checked against its CRC-32
@@ -25,7 +33,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,6 +57,13 @@ from pytorch_lightning.utilities.cloud_io import load as pl_load
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from pytorch_lightning.utilities.host_memory import format_bytes
 from pytorch_lightning.utilities.named_optimizer_state import named_optimizer_state
+from pytorch_lightning.utilities.safetensors_export import (
+    _published_weights,
+    _require_packages,
+    _write_safetensors,
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+)
 from pytorch_lightning.utilities.types import _PATH
 
 #: a conversion's work directory (``converting``) or a ``--force``\\d destination being replaced (``replaced``)
@@ -57,7 +72,17 @@ _WORK_DIRECTORY = re.compile(
 )
 
 
-def convert_checkpoint(src: _PATH, dst: _PATH, to: str = "dcp", force: bool = False, progress: bool = True) -> None:
+def convert_checkpoint(
+    src: _PATH,
+    dst: _PATH,
+    to: str = "dcp",
+    force: bool = False,
+    progress: bool = True,
+    strip_prefix: str = "",
+    dtype: Optional[str] = None,
+    max_shard_size: Optional[str] = None,
+    tie: Sequence[str] = (),
+) -> None:
     """Convert the Lightning checkpoint file ``src`` into ``dst`` in the layout ``to`` (see :data:`FORMATS`).
 
     Args:
@@ -68,27 +93,43 @@ def convert_checkpoint(src: _PATH, dst: _PATH, to: str = "dcp", force: bool = Fa
         to: the target layout, a key of :data:`FORMATS`.
         force: replace an existing ``dst``.
         progress: show a progress bar (bytes and tensors written) on stderr.
+        strip_prefix: ``"safetensors"``: publish only the weights under this prefix of the ``state_dict``, without
+            it (``"model."`` for a LightningModule whose model is ``self.model``).
+        dtype: ``"safetensors"``: ``"float32"`` (the default), ``"bfloat16"`` or ``"float16"``.
+        max_shard_size: ``"safetensors"``: the largest shard, as huggingface_hub reads it (default ``"5GB"``).
+        tie: ``"safetensors"``: ``KEEP=DROP`` names of tied weights (after the prefix): ``DROP`` is left out where
+            its values equal ``KEEP``'s.
 
     Raises:
-        MisconfigurationException: ``dst`` exists and ``force`` is off, or ``src`` is not a checkpoint this layout
-            can express; nothing was written.
+        MisconfigurationException: ``dst`` exists and ``force`` is off, ``src`` is not a checkpoint this layout
+            can express, or an option does not apply to the layout; nothing was written.
         CheckpointError: a record of ``src`` does not match its CRC-32 (``PL_CHECKPOINT_VERIFY=0`` skips the check,
             see :mod:`~pytorch_lightning.utilities.checkpoint_verification`); nothing was written.
     """
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
         raise MisconfigurationException(f"Unknown target layout {to!r}; known: {', '.join(FORMATS)}.")
+    options = _Options(strip_prefix, dtype, max_shard_size, tuple(tie))
+    if to != "safetensors" and options != _Options():
+        raise MisconfigurationException(
+            "`--strip-prefix`, `--dtype`, `--max-shard-size` and `--tie` apply to `--to safetensors` only."
+        )
+    if to == "safetensors":
+        _require_packages()
+        if options.dtype is not None and options.dtype not in DTYPES:
+            raise MisconfigurationException(f"Unknown dtype {options.dtype!r}; known: {', '.join(DTYPES)}.")
     remove_stale_conversions(dst.parent)
     if (dst.exists() or dst.is_symlink()) and not force:
         raise MisconfigurationException(f"{dst} exists; pass `--force` (`force=True`) to replace it.")
     checkpoint = _load(src)
     # the source's records are checked against their CRC-32s as the writer reads them, the rest before the move
     check = _open_read_check(src, checkpoint)
-    state = FORMATS[to].prepare(checkpoint, src)
+    state = FORMATS[to].prepare(checkpoint, src, options)
     work = _new_work_directory(dst, "converting")
     try:
-        FORMATS[to].write(state, work, progress)
-        _finish_read_check(check, optimizer_states_read=True)
+        FORMATS[to].write(state, work, progress, options)
+        # the optimizer state's records are checked where it is converted: not for the model's weights alone
+        _finish_read_check(check, optimizer_states_read=to != "safetensors")
         _move_into_place(work, dst, force)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -113,13 +154,27 @@ def _one_line(ex: BaseException) -> str:
     return " ".join(str(ex).split())
 
 
-def _lightning_parts(checkpoint: Any, src: Path) -> Dict[str, Any]:
-    """``{"model": state_dict, "optim": named optimizer state}`` (``optim`` only if the file has an optimizer)."""
+class _Options(NamedTuple):
+    """The options of ``--to safetensors`` (see :func:`convert_checkpoint`)."""
+
+    strip_prefix: str = ""
+    dtype: Optional[str] = None
+    max_shard_size: Optional[str] = None
+    tie: Tuple[str, ...] = ()
+
+
+def _state_dict(checkpoint: Any, src: Path) -> Dict[str, Any]:
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         found = sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise MisconfigurationException(
             f"{src} is not a Lightning checkpoint: it holds no `state_dict` (found {found})."
         )
+    return checkpoint["state_dict"]
+
+
+def _lightning_parts(checkpoint: Any, src: Path, options: _Options) -> Dict[str, Any]:
+    """``{"model": state_dict, "optim": named optimizer state}`` (``optim`` only if the file has an optimizer)."""
+    _state_dict(checkpoint, src)
     optimizer_states = checkpoint.get("optimizer_states") or []
     if len(optimizer_states) > 1:
         raise MisconfigurationException(
@@ -146,11 +201,21 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=tensor.dtype).set_(own, 0, tensor.shape, tensor.stride())
 
 
-def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool) -> None:
-    """``torch.distributed.checkpoint.save`` of ``state`` into ``directory`` by this process alone."""
-    tensors = _tensors(state)
-    with tqdm(
-        total=sum(t.nbytes for t in tensors),
+def _weights(checkpoint: Any, src: Path, options: _Options) -> Dict[str, torch.Tensor]:
+    """The weights ``--to safetensors`` publishes (see ``_published_weights``)."""
+    return _published_weights(_state_dict(checkpoint, src), options.strip_prefix, options.tie)
+
+
+def _write_weights(weights: Dict[str, torch.Tensor], directory: Path, progress: bool, options: _Options) -> None:
+    dtype = DTYPES[options.dtype or "float32"]
+    with _progress_bar(sum(t.nbytes for t in weights.values()), progress) as bar:
+        _write_safetensors(weights, directory, dtype, options.max_shard_size or DEFAULT_MAX_SHARD_SIZE, bar)
+
+
+def _progress_bar(total: int, progress: bool) -> tqdm:
+    """A bar of the bytes written, on stderr (off where ``progress`` is false)."""
+    return tqdm(
+        total=total,
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
@@ -158,7 +223,13 @@ def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool) -> None:
         disable=not progress,
         file=sys.stderr,
         mininterval=0.5,
-    ) as bar:
+    )
+
+
+def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool, options: _Options) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` into ``directory`` by this process alone."""
+    tensors = _tensors(state)
+    with _progress_bar(sum(t.nbytes for t in tensors), progress) as bar:
         planner = _ProgressPlanner(bar, len(tensors))
         writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
         with warnings.catch_warnings():
@@ -210,10 +281,13 @@ class _ProgressPlanner(DefaultSavePlanner):
 
 class _Format:
     """A target layout: ``prepare`` checks the loaded checkpoint and builds what ``write`` writes into a new
-    directory."""
+    directory, each with the :class:`_Options`."""
 
     def __init__(
-        self, help: str, prepare: Callable[[Any, Path], Any], write: Callable[[Any, Path, bool], None]
+        self,
+        help: str,
+        prepare: Callable[[Any, Path, _Options], Any],
+        write: Callable[[Any, Path, bool, _Options], None],
     ) -> None:
         self.help, self.prepare, self.write = help, prepare, write
 
@@ -222,9 +296,15 @@ class _Format:
 FORMATS: Dict[str, _Format] = {
     "dcp": _Format(
         "a torch Distributed Checkpoint directory holding {'model': state_dict, 'optim': optimizer state by"
-        " parameter name}, as torch's get_state_dict/set_state_dict and torchtitan lay them out",
+        " parameter name}, as torch's get_state_dict/set_state_dict give them",
         _lightning_parts,
         _write_dcp,
+    ),
+    "safetensors": _Format(
+        "the model weights as the Hugging Face Hub lays them out: model.safetensors, or shards of at most"
+        " --max-shard-size with model.safetensors.index.json",
+        _weights,
+        _write_weights,
     ),
 }
 
@@ -302,6 +382,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("dst", type=Path, help="the path to write")
     parser.add_argument("--to", required=True, choices=sorted(FORMATS), help="the target layout")
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.add_argument(
+        "--strip-prefix",
+        default="",
+        metavar="PREFIX",
+        help="safetensors: publish only the state_dict's keys under PREFIX, without it (e.g. model.)",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="safetensors: the published dtype (float32)")
+    parser.add_argument(
+        "--max-shard-size", metavar="SIZE", help=f"safetensors: the largest shard ({DEFAULT_MAX_SHARD_SIZE})"
+    )
+    parser.add_argument(
+        "--tie",
+        action="append",
+        default=[],
+        metavar="KEEP=DROP",
+        help="safetensors: leave out the tied weight DROP where its values equal KEEP's (repeatable)",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="show no progress bar")
     return parser
 
@@ -328,7 +425,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if signum is not None
     }
     try:
-        convert_checkpoint(args.src, args.dst, to=args.to, force=args.force, progress=args.progress)
+        convert_checkpoint(
+            args.src,
+            args.dst,
+            to=args.to,
+            force=args.force,
+            progress=args.progress,
+            strip_prefix=args.strip_prefix,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            tie=args.tie,
+        )
     except MisconfigurationException as ex:
         parser.exit(2, f"{parser.prog}: error: {_one_line(ex)}\n")
     except CheckpointError as ex:

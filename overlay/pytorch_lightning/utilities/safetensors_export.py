@@ -1,0 +1,176 @@
+"""The converter's ``--to safetensors``: a checkpoint's model weights as the Hugging Face Hub lays them out, one tensor
+at a time.
+
+The layout is ``huggingface_hub``'s (``split_torch_state_dict_into_shards``): one ``model.safetensors``, or shards
+``model-0000i-of-0000n.safetensors`` of at most ``max_shard_size`` each (a larger tensor gets a shard of its own) with
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``); each file is written by ``safetensors``
+(``serialize_file``), with the metadata ``format: pt``.
+
+Memory: ``safetensors`` writes a file from a pointer to every tensor's bytes. A tensor already in the target dtype
+and contiguous is written straight from the memory-mapped source. The others point at a zero-filled anonymous
+mapping that nothing writes into (it stays the kernel's zero page), and once ``safetensors`` wrote the file, each is
+converted alone and written into its place, found in the file's own header. So a conversion needs at most one
+converted tensor of memory beyond the source's page cache, whatever the shard size.
+"""
+# fork-feature: fork/checkpoint-converter.patch
+import ctypes
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any, Dict, Sequence, Tuple
+
+import torch
+from tqdm import tqdm
+
+from pytorch_lightning.utilities.checkpoint_verification import _check_record_of
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+
+#: the dtypes ``--dtype`` names
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: huggingface_hub's default (decimal units)
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_FILENAME_PATTERN = "model{suffix}.safetensors"
+_INDEX_NAME = "model.safetensors.index.json"
+
+
+def _require_packages() -> None:
+    """Raises:
+    MisconfigurationException: if ``safetensors`` or ``huggingface_hub`` is missing, saying how to install them."""
+    try:
+        import huggingface_hub  # noqa: F401
+        import safetensors
+    except ImportError as ex:
+        raise MisconfigurationException(
+            f"`--to safetensors` needs the `safetensors` and `huggingface_hub` packages ({ex.name} is missing):"
+            " `pip install safetensors huggingface_hub` (or the fork's `hub` extra)."
+        ) from ex
+    if not hasattr(safetensors, "TensorSpec"):
+        # older releases take every tensor's bytes in memory at once
+        raise MisconfigurationException(
+            f"`--to safetensors` needs safetensors >= 0.8 (writing from pointers), found {safetensors.__version__}:"
+            " `pip install -U safetensors`."
+        )
+
+
+def _parse_tie(tie: str) -> Tuple[str, str]:
+    keep, sep, drop = tie.partition("=")
+    if not sep or not keep or not drop or keep == drop:
+        raise MisconfigurationException(f"`--tie` takes KEEP=DROP, two different names; got {tie!r}.")
+    return keep, drop
+
+
+def _published_weights(state_dict: Dict[str, Any], strip_prefix: str, ties: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """The weights to publish: the tensors of ``state_dict`` under ``strip_prefix``, the prefix stripped (the others
+    are named in one warning and left out), without the tied duplicates ``ties`` (``KEEP=DROP``, names after
+    stripping) names, each dropped only where its values (and dtype) equal the kept one's. Nothing is deduplicated
+    by value.
+
+    Raises:
+        MisconfigurationException: if no tensor is under the prefix, if a name of ``ties`` is missing, or if a tied
+            duplicate's values differ from the kept tensor's.
+    """
+    weights, left_out = {}, []
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor) or not key.startswith(strip_prefix):
+            left_out.append(key)
+        elif key[len(strip_prefix) :]:
+            weights[key[len(strip_prefix) :]] = value
+    if not weights:
+        raise MisconfigurationException(
+            f"No tensor of the checkpoint's `state_dict` is under the prefix {strip_prefix!r}; its first keys:"
+            f" {', '.join(list(state_dict)[:5])}."
+        )
+    if left_out:
+        rank_zero_warn(f"Left out (not tensors under {strip_prefix!r}): {', '.join(left_out)}.")
+    for keep, drop in map(_parse_tie, ties):
+        missing = [name for name in (keep, drop) if name not in weights]
+        if missing:
+            raise MisconfigurationException(f"`--tie {keep}={drop}`: no weight {', '.join(map(repr, missing))}.")
+        if weights[keep].dtype != weights[drop].dtype or not torch.equal(weights[keep], weights[drop]):
+            raise MisconfigurationException(f"`--tie {keep}={drop}`: the two weights differ; both are kept otherwise.")
+        del weights[drop]
+    return weights
+
+
+def _write_safetensors(
+    weights: Dict[str, torch.Tensor], directory: Path, dtype: torch.dtype, max_shard_size: str, bar: tqdm
+) -> None:
+    """Write ``weights`` in ``dtype`` into ``directory`` in the Hub's layout (see the module's docstring), counting
+    each tensor's bytes in the source on ``bar`` once written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    shapes = {name: torch.empty(tensor.shape, dtype=dtype, device="meta") for name, tensor in weights.items()}
+    try:
+        # a number of bytes, or huggingface_hub's units ("5GB", "500MB": decimal; "5GiB": binary)
+        limit = int(max_shard_size) if max_shard_size.strip().isdigit() else max_shard_size
+        split = split_torch_state_dict_into_shards(shapes, filename_pattern=_FILENAME_PATTERN, max_shard_size=limit)
+    except ValueError as ex:
+        raise MisconfigurationException(f"`--max-shard-size {max_shard_size}`: {ex}") from ex
+    for filename, names in split.filename_to_tensors.items():
+        _write_file(directory / filename, {name: weights[name] for name in names}, dtype, bar)
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+        path = directory / _INDEX_NAME
+        path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _fsync(path)
+
+
+def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype, bar: tqdm) -> None:
+    """One ``.safetensors`` file of ``tensors`` in ``dtype`` (see the module's docstring)."""
+    from safetensors import serialize_file, TensorSpec
+
+    pending = [name for name, tensor in tensors.items() if tensor.dtype != dtype or not tensor.is_contiguous()]
+    zeros_bytes = max((tensors[name].numel() * _itemsize(dtype) for name in pending), default=0)
+    # never written to: every page reads as the kernel's zero page, which takes no memory
+    zeros = mmap.mmap(-1, max(zeros_bytes, 1))
+    zeros_ptr = ctypes.addressof(ctypes.c_char.from_buffer(zeros))
+    try:
+        specs = {}
+        for name, tensor in tensors.items():
+            nbytes = tensor.numel() * _itemsize(dtype)
+            if name in pending:
+                pointer = zeros_ptr
+            else:
+                _check_record_of(tensor)  # a corrupt source record fails before its bytes are written
+                pointer = tensor.data_ptr()
+            specs[name] = TensorSpec(dtype=str(dtype).split(".")[-1], shape=list(tensor.shape), data_ptr=pointer,
+                                     data_len=nbytes)
+        serialize_file(specs, str(path), metadata={"format": "pt"})
+        del specs
+    finally:
+        zeros.close()
+    bar.update(sum(tensors[name].nbytes for name in tensors if name not in pending))
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        base = 8 + length
+        for name in pending:
+            tensor = tensors[name]
+            _check_record_of(tensor)
+            converted = tensor.to(dtype).contiguous()
+            begin, end = header[name]["data_offsets"]
+            assert end - begin == converted.nbytes, (name, begin, end, converted.nbytes)
+            view = memoryview(converted.view(torch.uint8).reshape(-1).numpy())
+            position = base + begin
+            while view:
+                written = os.pwrite(f.fileno(), view, position)
+                view, position = view[written:], position + written
+            del converted
+            bar.update(tensor.nbytes)
+        os.fsync(f.fileno())
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
