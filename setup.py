@@ -46,7 +46,7 @@ setup(
         # Checkpoints in S3-compatible object storage: s3fs (fsspec's "s3://"), its botocore reading AWS_ENDPOINT_URL.
         "s3": ["s3fs>=2023.9.0"],
         # The converter's `--to safetensors`: safetensors' writer from pointers (TensorSpec), huggingface_hub's shards.
-        "hub": ["safetensors>=0.8", "huggingface_hub>=0.23"],
+        "hub": ["safetensors>=0.8", "huggingface_hub>=0.26"],
     },
     zip_safe=False,
 )

@@ -7,10 +7,13 @@ The layout is ``huggingface_hub``'s (``split_torch_state_dict_into_shards``): on
 (``serialize_file``), with the metadata ``format: pt``.
 
 Memory: ``safetensors`` writes a file from a pointer to every tensor's bytes. A tensor already in the target dtype
-and contiguous is written straight from the memory-mapped source. The others point at a zero-filled anonymous
-mapping that nothing writes into (it stays the kernel's zero page), and once ``safetensors`` wrote the file, each is
-converted alone and written into its place, found in the file's own header. So a conversion needs at most one
-converted tensor of memory beyond the source's page cache, whatever the shard size.
+and contiguous is written straight from the memory-mapped source. The others point at a private anonymous mapping
+that nothing writes into (its pages read as the kernel's zero page, no memory), and once ``safetensors`` wrote the
+file, each is converted alone and written into its place, found in the file's own header. So a conversion needs at
+most one converted tensor of memory beyond the source's page cache, whatever the shard size.
+
+Signals: ``safetensors`` writes a file in one call, during which Python runs no signal handler; a ``SIGTERM`` or
+``Ctrl-C`` then takes effect once the file is written (a shard of source-dtype tensors: seconds per GB).
 """
 # fork-feature: fork/checkpoint-converter.patch
 import ctypes
@@ -40,12 +43,12 @@ def _require_packages() -> None:
     """Raises:
     MisconfigurationException: if ``safetensors`` or ``huggingface_hub`` is missing, saying how to install them."""
     try:
-        import huggingface_hub  # noqa: F401
         import safetensors
+        from huggingface_hub import split_torch_state_dict_into_shards  # noqa: F401
     except ImportError as ex:
         raise MisconfigurationException(
-            f"`--to safetensors` needs the `safetensors` and `huggingface_hub` packages ({ex.name} is missing):"
-            " `pip install safetensors huggingface_hub` (or the fork's `hub` extra)."
+            f"`--to safetensors` needs the `safetensors` and `huggingface_hub` (>= 0.26) packages ({ex.name} is"
+            " missing or too old): `pip install -U safetensors huggingface_hub` (or the fork's `hub` extra)."
         ) from ex
     if not hasattr(safetensors, "TensorSpec"):
         # older releases take every tensor's bytes in memory at once
@@ -69,15 +72,17 @@ def _published_weights(state_dict: Dict[str, Any], strip_prefix: str, ties: Sequ
     by value.
 
     Raises:
-        MisconfigurationException: if no tensor is under the prefix, if a name of ``ties`` is missing, or if a tied
-            duplicate's values differ from the kept tensor's.
+        MisconfigurationException: if no tensor is under the prefix, if one is sparse, if a name of ``ties`` is
+            missing, or if a tied duplicate's bytes differ from the kept tensor's.
     """
     weights, left_out = {}, []
     for key, value in state_dict.items():
-        if not isinstance(value, torch.Tensor) or not key.startswith(strip_prefix):
+        if not isinstance(value, torch.Tensor) or not key.startswith(strip_prefix) or key == strip_prefix:
             left_out.append(key)
-        elif key[len(strip_prefix) :]:
-            weights[key[len(strip_prefix) :]] = value
+            continue
+        if value.layout != torch.strided:
+            raise MisconfigurationException(f"{key!r} is a {value.layout} tensor; safetensors holds dense ones.")
+        weights[key[len(strip_prefix) :]] = value
     if not weights:
         raise MisconfigurationException(
             f"No tensor of the checkpoint's `state_dict` is under the prefix {strip_prefix!r}; its first keys:"
@@ -89,22 +94,33 @@ def _published_weights(state_dict: Dict[str, Any], strip_prefix: str, ties: Sequ
         missing = [name for name in (keep, drop) if name not in weights]
         if missing:
             raise MisconfigurationException(f"`--tie {keep}={drop}`: no weight {', '.join(map(repr, missing))}.")
-        if weights[keep].dtype != weights[drop].dtype or not torch.equal(weights[keep], weights[drop]):
+        if not _same_bytes(weights[keep], weights[drop]):
             raise MisconfigurationException(f"`--tie {keep}={drop}`: the two weights differ; both are kept otherwise.")
         del weights[drop]
     return weights
 
 
+def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bytes (``-0.0`` is not ``0.0``, a NaN equals itself), their records checked
+    against their CRC-32s first."""
+    _check_record_of(first)
+    _check_record_of(second)
+    if first.dtype != second.dtype or first.shape != second.shape:
+        return False
+    return torch.equal(*(t.contiguous().reshape(-1).view(torch.uint8) for t in (first, second)))
+
+
 def _write_safetensors(
     weights: Dict[str, torch.Tensor], directory: Path, dtype: torch.dtype, max_shard_size: str, bar: tqdm
 ) -> None:
-    """Write ``weights`` in ``dtype`` into ``directory`` in the Hub's layout (see the module's docstring), counting
-    each tensor's bytes in the source on ``bar`` once written."""
+    """Write ``weights`` in ``dtype`` (the floating-point ones: integer and boolean buffers keep theirs) into
+    ``directory`` in the Hub's layout (see the module's docstring), counting each tensor's bytes in the source on
+    ``bar`` once written."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    shapes = {name: torch.empty(tensor.shape, dtype=dtype, device="meta") for name, tensor in weights.items()}
+    shapes = {name: torch.empty(t.shape, dtype=_target(t, dtype), device="meta") for name, t in weights.items()}
     try:
-        # a number of bytes, or huggingface_hub's units ("5GB", "500MB": decimal; "5GiB": binary)
+        # a number of bytes, or huggingface_hub's units ("5GB", "500MB": decimal)
         limit = int(max_shard_size) if max_shard_size.strip().isdigit() else max_shard_size
         split = split_torch_state_dict_into_shards(shapes, filename_pattern=_FILENAME_PATTERN, max_shard_size=limit)
     except ValueError as ex:
@@ -122,22 +138,24 @@ def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
     """One ``.safetensors`` file of ``tensors`` in ``dtype`` (see the module's docstring)."""
     from safetensors import serialize_file, TensorSpec
 
-    pending = [name for name, tensor in tensors.items() if tensor.dtype != dtype or not tensor.is_contiguous()]
-    zeros_bytes = max((tensors[name].numel() * _itemsize(dtype) for name in pending), default=0)
+    targets = {name: _target(tensor, dtype) for name, tensor in tensors.items()}
+    pending = [name for name, tensor in tensors.items() if tensor.dtype != targets[name] or not tensor.is_contiguous()]
+    zeros_bytes = max((tensors[name].numel() * _itemsize(targets[name]) for name in pending), default=0)
     # never written to: every page reads as the kernel's zero page, which takes no memory
-    zeros = mmap.mmap(-1, max(zeros_bytes, 1))
+    zeros = mmap.mmap(-1, max(zeros_bytes, 1), flags=mmap.MAP_PRIVATE)
     zeros_ptr = ctypes.addressof(ctypes.c_char.from_buffer(zeros))
     try:
         specs = {}
         for name, tensor in tensors.items():
-            nbytes = tensor.numel() * _itemsize(dtype)
+            nbytes = tensor.numel() * _itemsize(targets[name])
             if name in pending:
                 pointer = zeros_ptr
             else:
                 _check_record_of(tensor)  # a corrupt source record fails before its bytes are written
                 pointer = tensor.data_ptr()
-            specs[name] = TensorSpec(dtype=str(dtype).split(".")[-1], shape=list(tensor.shape), data_ptr=pointer,
-                                     data_len=nbytes)
+            specs[name] = TensorSpec(
+                dtype=str(targets[name]).split(".")[-1], shape=list(tensor.shape), data_ptr=pointer, data_len=nbytes
+            )
         serialize_file(specs, str(path), metadata={"format": "pt"})
         del specs
     finally:
@@ -150,10 +168,12 @@ def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
         for name in pending:
             tensor = tensors[name]
             _check_record_of(tensor)
-            converted = tensor.to(dtype).contiguous()
+            # one buffer: ``.to`` keeps a non-contiguous tensor's strides, and ``.contiguous()`` would copy it again
+            converted = torch.empty(tensor.shape, dtype=targets[name])
+            converted.copy_(tensor)
             begin, end = header[name]["data_offsets"]
             assert end - begin == converted.nbytes, (name, begin, end, converted.nbytes)
-            view = memoryview(converted.view(torch.uint8).reshape(-1).numpy())
+            view = memoryview(converted.reshape(-1).view(torch.uint8).numpy())
             position = base + begin
             while view:
                 written = os.pwrite(f.fileno(), view, position)
@@ -161,6 +181,12 @@ def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
             del converted
             bar.update(tensor.nbytes)
         os.fsync(f.fileno())
+
+
+def _target(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``tensor`` is published in: ``dtype`` for floating-point weights, its own for the others (a step
+    count, a mask)."""
+    return dtype if tensor.is_floating_point() else tensor.dtype
 
 
 def _itemsize(dtype: torch.dtype) -> int:
