@@ -116,6 +116,23 @@ def test_dtype_converts_and_a_named_tie_is_dropped_only_if_equal(source, tmp_pat
         assert value.dtype == dtype and torch.equal(value, state_dict[f"model.{key}"].to(dtype)), key
 
 
+def test_values_beyond_float16_are_named(tmp_path, capsys):
+    """A weight with values beyond float16's range (65504) becomes inf there: the conversion says which, once."""
+    source = tmp_path / "big.ckpt"
+    # an inf of the source's own is not an overflow
+    state_dict = {
+        "model.small": torch.ones(3),
+        "model.big": torch.tensor([1.0, 1e6]),
+        "model.inf": torch.tensor([1.0, float("inf")]),
+    }
+    torch.save({"state_dict": state_dict}, source)
+    with pytest.warns(UserWarning, match=r"^Values beyond torch\.float16's range became inf in: big\.$"):
+        _convert(capsys, str(source), str(tmp_path / "hub"), "--to", "safetensors", "--strip-prefix", "model.",
+                 "--dtype", "float16")
+    (tensors,) = _read(tmp_path / "hub").values()
+    assert torch.isinf(tensors["big"][1]) and tensors["small"].dtype == torch.float16
+
+
 def test_a_tie_whose_values_differ_is_refused(source, tmp_path, capsys):
     """``--tie`` never drops by name alone: a duplicate with other values (a head trained apart) is an error, and
     nothing is written; so is a name that is not there."""

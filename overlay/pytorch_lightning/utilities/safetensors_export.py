@@ -22,7 +22,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -125,8 +125,11 @@ def _write_safetensors(
         split = split_torch_state_dict_into_shards(shapes, filename_pattern=_FILENAME_PATTERN, max_shard_size=limit)
     except ValueError as ex:
         raise MisconfigurationException(f"`--max-shard-size {max_shard_size}`: {ex}") from ex
+    overflowed: List[str] = []
     for filename, names in split.filename_to_tensors.items():
-        _write_file(directory / filename, {name: weights[name] for name in names}, dtype, bar)
+        overflowed += _write_file(directory / filename, {name: weights[name] for name in names}, dtype, bar)
+    if overflowed:
+        rank_zero_warn(f"Values beyond {dtype}'s range became inf in: {', '.join(overflowed)}.")
     if split.is_sharded:
         index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
         path = directory / _INDEX_NAME
@@ -134,8 +137,9 @@ def _write_safetensors(
         _fsync(path)
 
 
-def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype, bar: tqdm) -> None:
-    """One ``.safetensors`` file of ``tensors`` in ``dtype`` (see the module's docstring)."""
+def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype, bar: tqdm) -> List[str]:
+    """One ``.safetensors`` file of ``tensors`` in ``dtype`` (see the module's docstring); returns the names of the
+    tensors in which a finite value became infinite (``float16`` holds up to 65504)."""
     from safetensors import serialize_file, TensorSpec
 
     targets = {name: _target(tensor, dtype) for name, tensor in tensors.items()}
@@ -161,6 +165,7 @@ def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
     finally:
         zeros.close()
     bar.update(sum(tensors[name].nbytes for name in tensors if name not in pending))
+    overflowed = []
     with open(path, "r+b") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
@@ -171,6 +176,8 @@ def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
             # one buffer: ``.to`` keeps a non-contiguous tensor's strides, and ``.contiguous()`` would copy it again
             converted = torch.empty(tensor.shape, dtype=targets[name])
             converted.copy_(tensor)
+            if converted.is_floating_point() and bool(torch.isinf(converted).any()) and not torch.isinf(tensor).any():
+                overflowed.append(name)
             begin, end = header[name]["data_offsets"]
             assert end - begin == converted.nbytes, (name, begin, end, converted.nbytes)
             view = memoryview(converted.reshape(-1).view(torch.uint8).numpy())
@@ -181,6 +188,7 @@ def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
             del converted
             bar.update(tensor.nbytes)
         os.fsync(f.fileno())
+    return overflowed
 
 
 def _target(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
