@@ -63,11 +63,7 @@ class _LocalFileStorage(_CheckpointStorage):
         # through a new descriptor: the writers' are closed. Linux (>= 4.16) reports a writeback error that no
         # descriptor has seen yet to the next ``fsync`` of any descriptor, this one's too; those the writers saw were
         # raised by their own ``fdatasync``
-        fd = os.open(self.staged, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_file(self.staged)
         os.replace(self.staged, self.url)
         _fsync_directory(os.path.dirname(self.url))
 
@@ -141,7 +137,12 @@ class _LocalFileWriter:
         lo, hi = self._written or (offset, offset)
         self._written = (min(lo, offset), max(hi, offset + size))
         self.unflushed += size
-        if flush and self.unflushed >= self._flush_bytes:
+        if flush:
+            self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        """Flush once ``flush_bytes`` are written since the last flush."""
+        if self.unflushed >= self._flush_bytes:
             self.flush()
 
     def flush(self) -> None:
@@ -169,6 +170,15 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> int:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
     return size
+
+
+def _fsync_file(path: str) -> None:
+    """``fsync`` the file at ``path`` through a descriptor of its own."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _flush_written(fd: int, fsync_chunks: bool, offset: int = 0, length: int = 0) -> None:

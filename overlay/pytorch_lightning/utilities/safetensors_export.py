@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from pytorch_lightning.utilities.checkpoint_verification import _check_record_of
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.local_file_storage import _fsync_file, _pwrite_all
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 #: the dtypes ``--dtype`` names
@@ -134,7 +135,7 @@ def _write_safetensors(
         index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
         path = directory / _INDEX_NAME
         path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _fsync(path)
+        _fsync_file(str(path))
 
 
 def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype, bar: tqdm) -> List[str]:
@@ -144,14 +145,14 @@ def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
 
     targets = {name: _target(tensor, dtype) for name, tensor in tensors.items()}
     pending = [name for name, tensor in tensors.items() if tensor.dtype != targets[name] or not tensor.is_contiguous()]
-    zeros_bytes = max((tensors[name].numel() * _itemsize(targets[name]) for name in pending), default=0)
+    zeros_bytes = max((tensors[name].numel() * targets[name].itemsize for name in pending), default=0)
     # never written to: every page reads as the kernel's zero page, which takes no memory
     zeros = mmap.mmap(-1, max(zeros_bytes, 1), flags=mmap.MAP_PRIVATE)
     zeros_ptr = ctypes.addressof(ctypes.c_char.from_buffer(zeros))
     try:
         specs = {}
         for name, tensor in tensors.items():
-            nbytes = tensor.numel() * _itemsize(targets[name])
+            nbytes = tensor.numel() * targets[name].itemsize
             if name in pending:
                 pointer = zeros_ptr
             else:
@@ -180,11 +181,7 @@ def _write_file(path: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
                 overflowed.append(name)
             begin, end = header[name]["data_offsets"]
             assert end - begin == converted.nbytes, (name, begin, end, converted.nbytes)
-            view = memoryview(converted.reshape(-1).view(torch.uint8).numpy())
-            position = base + begin
-            while view:
-                written = os.pwrite(f.fileno(), view, position)
-                view, position = view[written:], position + written
+            _pwrite_all(f.fileno(), converted.reshape(-1).view(torch.uint8).numpy(), base + begin)
             del converted
             bar.update(tensor.nbytes)
         os.fsync(f.fileno())
@@ -195,16 +192,3 @@ def _target(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """The dtype ``tensor`` is published in: ``dtype`` for floating-point weights, its own for the others (a step
     count, a mask)."""
     return dtype if tensor.is_floating_point() else tensor.dtype
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-

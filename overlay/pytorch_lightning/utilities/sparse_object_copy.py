@@ -26,6 +26,7 @@ from fsspec import AbstractFileSystem
 
 from pytorch_lightning.utilities.checkpoint_crc import _ZipIndex
 from pytorch_lightning.utilities.checkpoint_storage import _CheckpointStorage
+from pytorch_lightning.utilities.local_file_storage import _pwrite_all
 from pytorch_lightning.utilities.multipart_upload import _is_multipart_store
 
 #: The size of the longest ranged GET, and how many bytes one round of concurrent GETs holds in memory at most.
@@ -141,11 +142,7 @@ class _SparseObjectCopy:
 
     def _fetch_round(self, pieces: List[_Range]) -> None:
         for (start, end), chunk in zip(pieces, self.storage.read_ranges(pieces)):
-            view, position = memoryview(chunk), start
-            while view:
-                written = os.pwrite(self._fd, view, position)
-                view, position = view[written:], position + written
-            self.fetched_bytes += end - start
+            self.fetched_bytes += _pwrite_all(self._fd, chunk, start)
 
 
 def _merged(ranges: Iterable[_Range]) -> List[_Range]:

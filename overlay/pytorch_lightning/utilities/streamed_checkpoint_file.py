@@ -101,7 +101,6 @@ class _StreamedCheckpointFile:
         os.makedirs(self._dirname, exist_ok=True)
         remove_stale_temporary_files(self._dirname)
         self.tmp_path, self._fd = _create_temporary_file(self._dirname, os.path.basename(self.path))
-        self._flush_bytes = flush_bytes
         #: where the file goes when it is committed: the local file at ``path``, or (a scratch file) set once known
         self.storage: Optional[_CheckpointStorage] = (
             _LocalFileStorage(self.path, self.tmp_path) if directory is None else None
@@ -168,8 +167,7 @@ class _StreamedCheckpointFile:
         records = sum(1 for record in self.index.records if record.is_tensor)
         if len(written) != records or not pending_keys <= set(self._offsets):
             raise _NotStreamable("some tensors of the checkpoint are not in a dict, list or tuple")
-        if self._out.unflushed >= self._flush_bytes:
-            self.flush()
+        self._out.flush_if_due()
 
     def write(self, placeholder: torch.Tensor, values: torch.Tensor, element_offset: int = 0) -> None:
         """Write ``values`` into the storage of the pending tensor ``placeholder``, starting at its element
