@@ -117,7 +117,7 @@ def run(args: argparse.Namespace, folder: Path) -> List[Dict[str, Any]]:
     src = folder / "source.ckpt"
     info = write_checkpoint(src, args.size_mb, args.units, args.optimizer)
     results = []
-    for method in METHODS:
+    for method in args.methods.split(","):
         out = folder / f"{method}.json"
         argv = ["--measure", method, "--src", str(src), "--dst", str(folder / f"{method}.out"), "--result", str(out)]
         argv += ["--shard-mb", str(args.shard_mb)]
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--units", type=int, default=16, help="blocks, one optimizer record per block and state key")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_KEYS), default="adam")
     parser.add_argument("--shard-mb", type=float, default=64, help="the safetensors methods' largest shard, in MiB")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--out", type=Path, help="folder for the files (default: a temp dir, removed)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measured conversion")
@@ -165,7 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    unknown = sorted(set(args.methods.split(",")) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods: {', '.join(unknown)}")
     if args.measure:
         args.result.write_text(json.dumps(measure(args.measure, args.src, args.dst, args.shard_mb)))
         return

@@ -7,9 +7,6 @@ Trainer resumes from it exactly on every rank: parameters, optimizer shards and 
 statistics, which are per rank (the file holds global rank 0's; ``SyncBatchNorm``, on GPUs, keeps them in step).
 GPT-2 with only its body wrapped shows a tie that FSDP splits between an instance and the head outside it.
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -25,10 +22,6 @@ DEVICES = 2
 
 
 ENV = {"HF_HUB_OFFLINE": "1"}
-
-
-def _env() -> Dict[str, str]:
-    return {**os.environ, **ENV}
 # both models' ``cases`` run in one launch (``transformers_runs``)
 BATCH_TIMEOUT = 840
 
@@ -159,7 +152,7 @@ def test_a_gpt2_trained_under_fsdp_is_published_for_transformers(transformers_ru
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from fsdp_harness.multiprocess import ROOT
+    from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint
     from tests.strategies.fsdp_transformers_scenarios import build_model
 
     folder = transformers_runs.folder("gpt2")
@@ -172,10 +165,10 @@ def test_a_gpt2_trained_under_fsdp_is_published_for_transformers(transformers_ru
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     for dtype in ("float32", "bfloat16"):
         dst, limit = tmp_path / dtype, _shard_limit_for(3, path, dtype)
-        cli = [sys.executable, "-m", "pytorch_lightning.utilities.convert_checkpoint", str(path), str(dst)]
-        options = ["--to", "safetensors", "--strip-prefix", "model.", "--max-shard-size", str(limit), "--dtype", dtype]
-        done = subprocess.run([*cli, *options], cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
-        assert done.returncode == 0, done.stderr
+        # the command line's function, in this process (its command line is tested in test_convert_checkpoint.py)
+        convert_checkpoint(
+            path, dst, to="safetensors", strip_prefix="model.", max_shard_size=str(limit), dtype=dtype, progress=False
+        )
         shards = sorted(p.name for p in dst.glob("*.safetensors"))
         assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
         for shard in shards:

@@ -312,8 +312,12 @@ def test_killed_conversion_is_removed_by_the_next(source, tmp_path, target):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    ("signum", "target"),
+    # safetensors' writer is interrupted by SIGTERM only: Ctrl-C unwinds through the same cleanup
+    [(signal.SIGTERM, "dcp"), (signal.SIGINT, "dcp"), (signal.SIGTERM, "safetensors")],
+    ids=["SIGTERM-dcp", "SIGINT-dcp", "SIGTERM-safetensors"],
+)
 def test_interrupted_conversion_leaves_nothing(source, tmp_path, signum, target):
     """``SIGTERM`` (a scheduler's stop) or ``SIGINT`` (Ctrl-C) mid-write: the conversion removes its work directory
     and exits with 128 + the signal's number."""
