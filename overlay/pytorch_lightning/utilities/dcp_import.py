@@ -1,0 +1,105 @@
+"""The converter's ``--from dcp`` (work in progress, issue 41): a torch Distributed Checkpoint directory in the
+converter's own layout (``{"model": state_dict, "optim": optimizer state by parameter name}``) written back as a fork
+checkpoint file that 1.6.5's Trainer resumes, one tensor at a time.
+
+Not done yet: Lightning 2.x's and torchtitan's layouts, ``--model-key``/``--optim-key``, the command line and the
+memory benchmark; see the closing notes of issue 41.
+"""
+# fork-feature: fork/checkpoint-converter.patch
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities.dcp_safe_reader import _SafeFileSystemReader, _SafeLoadPlanner
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
+
+
+def _load_one(src: Path, key: str, value: Any) -> Any:
+    """The entry ``key`` of the DCP directory ``src``, read into ``value`` (a tensor of its shape and dtype, or any
+    placeholder for a non-tensor entry) through the safe reader."""
+    state = {key: value}
+    # flat keys as they are, and the entries loaded into this very dict (a non-tensor entry is set, not copied into)
+    planner = _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    dcp.load(state, storage_reader=_SafeFileSystemReader(str(src)), planner=planner, no_dist=True)
+    return state[key]
+
+
+def _fake(meta: TensorStorageMetadata) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(meta.size, dtype=meta.properties.dtype)
+
+
+def _optimizer_layout(
+    src: Path, entries: Dict[str, Any], names: List[str], prefix: str
+) -> Tuple[Dict[str, Any], Dict[Tuple[int, str], str]]:
+    """The fork's optimizer state (by index in the order of the model keys, with ``param_names``) of the ``optim``
+    entries, its tensors left as placeholders: returns it and, for each ``(index, state key)``, the DCP key it comes
+    from."""
+    groups: Dict[int, Dict[str, Any]] = {}
+    for key, meta in entries.items():
+        if key.startswith("optim.param_groups.") and isinstance(meta, BytesStorageMetadata):
+            index, hyperparameter = key[len("optim.param_groups.") :].split(".", 1)
+            groups.setdefault(int(index), {})[hyperparameter] = _load_one(src, key, None)
+    in_groups = {name for group in groups.values() for name in group.get("params", [])}
+    ordered = [name for name in names if name in in_groups]
+    unknown = sorted(in_groups - set(ordered))
+    if unknown:
+        raise MisconfigurationException(f"The optimizer names parameters the model does not have: {unknown[:5]}.")
+    index_of = {name: index for index, name in enumerate(ordered)}
+    state: Dict[int, Dict[str, Any]] = {}
+    sources: Dict[Tuple[int, str], str] = {}
+    for key, meta in entries.items():
+        if not key.startswith("optim.state.") or not isinstance(meta, TensorStorageMetadata):
+            continue
+        name, state_key = key[len("optim.state.") :].rsplit(".", 1)
+        if name not in index_of:
+            raise MisconfigurationException(f"{key}: the optimizer's groups do not hold {name!r}.")
+        state.setdefault(index_of[name], {})[state_key] = _fake(meta)
+        sources[(index_of[name], state_key)] = key
+    param_groups = [
+        dict(group, params=[index_of[name] for name in group.get("params", [])]) for _, group in sorted(groups.items())
+    ]
+    layout = {"state": state, "param_groups": param_groups, "param_names": [prefix + name for name in ordered]}
+    return layout, sources
+
+
+def _import_dcp(src: Path, dst: Path, add_prefix: str = "") -> None:
+    """Write the DCP directory ``src`` (the converter's layout) as a fork checkpoint file at ``dst``."""
+    metadata = _SafeFileSystemReader(str(src)).read_metadata()
+    entries = metadata.state_dict_metadata
+    model = {k[len("model.") :]: m for k, m in entries.items() if k.startswith("model.")}
+    if not model or not all(isinstance(m, TensorStorageMetadata) for m in model.values()):
+        raise MisconfigurationException(f"{src} holds no `model` of tensors (keys: {', '.join(list(entries)[:5])}).")
+    state_dict = {add_prefix + name: _fake(meta) for name, meta in model.items()}
+    pending = {add_prefix + name: f"model.{name}" for name in model}
+    checkpoint: Dict[str, Any] = {
+        "epoch": 0,
+        "global_step": 0,
+        "pytorch-lightning_version": pl.__version__,
+        "state_dict": state_dict,
+        "optimizer_states": [],
+        "lr_schedulers": [],
+    }
+    placeholders = [(state_dict[name], key) for name, key in pending.items()]
+    if any(k.startswith("optim.") for k in entries):
+        layout, sources = _optimizer_layout(src, entries, list(model), add_prefix)
+        checkpoint["optimizer_states"] = [layout]
+        placeholders += [(layout["state"][index][state_key], key) for (index, state_key), key in sources.items()]
+    rank_zero_warn(
+        f"{src} holds no training state: the loops, callbacks and schedulers start fresh (epoch 0, step 0)."
+    )
+    with _StreamedCheckpointFile(dst) as writer:
+        writer.write_skeleton(checkpoint, [placeholder for placeholder, _ in placeholders])
+        for placeholder, key in placeholders:
+            values = _load_one(src, key, torch.empty(placeholder.shape, dtype=placeholder.dtype))
+            writer.write(placeholder, values)
+            del values
+        writer.complete = True
