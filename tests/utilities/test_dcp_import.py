@@ -12,7 +12,7 @@ from tests.utilities.test_convert_checkpoint import source, WideAdamModel  # noq
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
 def test_the_converters_layout_comes_back_and_resumes(source, tmp_path):  # noqa: F811
     convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
-    with pytest.warns(UserWarning, match="holds no training state"):
+    with pytest.warns(UserWarning, match="holds no Lightning training state"):
         _import_dcp(tmp_path / "ckpt.dcp", tmp_path / "back.ckpt")
     original = torch.load(source, weights_only=False)
     back = torch.load(tmp_path / "back.ckpt", weights_only=True)
@@ -34,3 +34,37 @@ def test_the_converters_layout_comes_back_and_resumes(source, tmp_path):  # noqa
     )
     trainer.fit(model, ckpt_path=str(tmp_path / "back.ckpt"))
     assert trainer.global_step == 1
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_a_torchtitan_style_directory_comes_back_and_resumes(tmp_path):
+    """The model's keys at the top level, the optimizer state flattened (``flatten_optimizer_state_dict=True``) under
+    ``optimizer``, with two groups of other learning rates and ``train_state``: the groups are rebuilt from the
+    per-parameter hyperparameters, ``--add-prefix`` maps the names, and the step is the global step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
+
+    torch.manual_seed(0)
+    net = WideAdamModel().layer
+    rest = list(net[2].parameters()) + list(net[3].parameters())
+    optimizer = torch.optim.Adam([{"params": net[0].parameters(), "lr": 0.01}, {"params": rest}], lr=0.02)
+    net(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(net, optimizer, options=options)
+    state = {**model_state, "optimizer": optim_state, "train_state": {"step": 7}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    with pytest.warns(UserWarning, match="step 7"):
+        _import_dcp(tmp_path / "tt", tmp_path / "back.ckpt", add_prefix="layer.")
+    back = torch.load(tmp_path / "back.ckpt", weights_only=True)
+    assert back["global_step"] == 7
+    for name, value in net.state_dict().items():
+        assert torch.equal(back["state_dict"][f"layer.{name}"], value), name
+    (state,) = back["optimizer_states"]
+    assert state["param_names"] == [f"layer.{name}" for name, _ in net.named_parameters()]
+    assert [g["lr"] for g in state["param_groups"]] == [0.01, 0.02]
+    assert [g["params"] for g in state["param_groups"]] == [[0, 1], [2, 3, 4, 5]]
+    native = optimizer.state_dict()["state"]
+    for index, entry in native.items():
+        for key, value in entry.items():
+            assert torch.equal(state["state"][index][key], value), (index, key)

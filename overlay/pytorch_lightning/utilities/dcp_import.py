@@ -38,63 +38,94 @@ def _fake(meta: TensorStorageMetadata) -> torch.Tensor:
 
 
 def _optimizer_layout(
-    src: Path, entries: Dict[str, Any], names: List[str], prefix: str
+    src: Path, entries: Dict[str, Any], names: List[str], optim_key: str, prefix: str
 ) -> Tuple[Dict[str, Any], Dict[Tuple[int, str], str]]:
-    """The fork's optimizer state (by index in the order of the model keys, with ``param_names``) of the ``optim``
-    entries, its tensors left as placeholders: returns it and, for each ``(index, state key)``, the DCP key it comes
-    from."""
-    groups: Dict[int, Dict[str, Any]] = {}
+    """The fork's optimizer state (by index in the order of the model keys, with ``param_names``) of the entries under
+    ``optim_key``, its tensors left as placeholders: returns it and, for each ``(index, state key)``, the DCP key it
+    comes from. The groups are either indexed (``<optim>.param_groups.<i>.<hyperparameter>``, with ``params`` the
+    names), or flattened per parameter (``flatten_optimizer_state_dict=True``: ``<optim>.param_groups.<name>.<hp>``),
+    rebuilt then from the per-parameter hyperparameters, identical ones merged, in the order of the model keys."""
+    group_prefix, state_prefix = f"{optim_key}.param_groups.", f"{optim_key}.state."
+    indexed: Dict[int, Dict[str, Any]] = {}
+    per_name: Dict[str, Dict[str, Any]] = {}
     for key, meta in entries.items():
-        if key.startswith("optim.param_groups.") and isinstance(meta, BytesStorageMetadata):
-            index, hyperparameter = key[len("optim.param_groups.") :].split(".", 1)
-            groups.setdefault(int(index), {})[hyperparameter] = _load_one(src, key, None)
-    in_groups = {name for group in groups.values() for name in group.get("params", [])}
-    ordered = [name for name in names if name in in_groups]
-    unknown = sorted(in_groups - set(ordered))
+        if key.startswith(group_prefix) and isinstance(meta, BytesStorageMetadata):
+            head, hyperparameter = key[len(group_prefix) :].rsplit(".", 1)
+            value = _load_one(src, key, None)
+            if head.isdigit():
+                indexed.setdefault(int(head), {})[hyperparameter] = value
+            else:
+                per_name.setdefault(head, {})[hyperparameter] = value
+    groups = [group for _, group in sorted(indexed.items())]
+    for name in names:
+        if name in per_name:
+            same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == per_name[name]), None)
+            if same is None:
+                groups.append(dict(per_name[name], params=[]))
+                same = groups[-1]
+            same["params"].append(name)
+    in_groups = {name for group in groups for name in group.get("params", [])}
+    unknown = sorted(in_groups - set(names))
     if unknown:
         raise MisconfigurationException(f"The optimizer names parameters the model does not have: {unknown[:5]}.")
+    ordered = [name for name in names if name in in_groups]
     index_of = {name: index for index, name in enumerate(ordered)}
     state: Dict[int, Dict[str, Any]] = {}
     sources: Dict[Tuple[int, str], str] = {}
     for key, meta in entries.items():
-        if not key.startswith("optim.state.") or not isinstance(meta, TensorStorageMetadata):
+        if not key.startswith(state_prefix) or not isinstance(meta, TensorStorageMetadata):
             continue
-        name, state_key = key[len("optim.state.") :].rsplit(".", 1)
+        name, state_key = key[len(state_prefix) :].rsplit(".", 1)
         if name not in index_of:
             raise MisconfigurationException(f"{key}: the optimizer's groups do not hold {name!r}.")
         state.setdefault(index_of[name], {})[state_key] = _fake(meta)
         sources[(index_of[name], state_key)] = key
-    param_groups = [
-        dict(group, params=[index_of[name] for name in group.get("params", [])]) for _, group in sorted(groups.items())
-    ]
+    param_groups = [dict(group, params=[index_of[name] for name in group.get("params", [])]) for group in groups]
     layout = {"state": state, "param_groups": param_groups, "param_names": [prefix + name for name in ordered]}
     return layout, sources
 
 
+def _layout_keys(entries: Dict[str, Any]) -> Tuple[str, str]:
+    """The model's and the optimizer's keys of a DCP directory: ``model`` (or ``""``: the model's keys at the top
+    level, torchtitan's alternative) and ``optim`` (this converter's), ``optimizer`` (torchtitan's) or ``""``."""
+    model_key = "model" if any(k.startswith("model.") for k in entries) else ""
+    optim_key = next((k for k in ("optim", "optimizer") if any(e.startswith(f"{k}.") for e in entries)), "")
+    return model_key, optim_key
+
+
 def _import_dcp(src: Path, dst: Path, add_prefix: str = "") -> None:
-    """Write the DCP directory ``src`` (the converter's layout) as a fork checkpoint file at ``dst``."""
+    """Write the DCP directory ``src`` (the converter's layout, or torchtitan's) as a fork checkpoint file at
+    ``dst``."""
     metadata = _SafeFileSystemReader(str(src)).read_metadata()
     entries = metadata.state_dict_metadata
-    model = {k[len("model.") :]: m for k, m in entries.items() if k.startswith("model.")}
+    model_key, optim_key = _layout_keys(entries)
+    others = (f"{optim_key}.", "train_state.") if optim_key else ("train_state.",)
+    if model_key:
+        model = {k[len("model.") :]: m for k, m in entries.items() if k.startswith("model.")}
+    else:
+        model = {k: m for k, m in entries.items() if not k.startswith(others)}
+    step = entries.get("train_state.step")
     if not model or not all(isinstance(m, TensorStorageMetadata) for m in model.values()):
         raise MisconfigurationException(f"{src} holds no `model` of tensors (keys: {', '.join(list(entries)[:5])}).")
     state_dict = {add_prefix + name: _fake(meta) for name, meta in model.items()}
-    pending = {add_prefix + name: f"model.{name}" for name in model}
+    pending = {add_prefix + name: f"{model_key}.{name}" if model_key else name for name in model}
+    global_step = int(_load_one(src, "train_state.step", None)) if isinstance(step, BytesStorageMetadata) else 0
     checkpoint: Dict[str, Any] = {
         "epoch": 0,
-        "global_step": 0,
+        "global_step": global_step,
         "pytorch-lightning_version": pl.__version__,
         "state_dict": state_dict,
         "optimizer_states": [],
         "lr_schedulers": [],
     }
     placeholders = [(state_dict[name], key) for name, key in pending.items()]
-    if any(k.startswith("optim.") for k in entries):
-        layout, sources = _optimizer_layout(src, entries, list(model), add_prefix)
+    if optim_key:
+        layout, sources = _optimizer_layout(src, entries, list(model), optim_key, add_prefix)
         checkpoint["optimizer_states"] = [layout]
         placeholders += [(layout["state"][index][state_key], key) for (index, state_key), key in sources.items()]
     rank_zero_warn(
-        f"{src} holds no training state: the loops, callbacks and schedulers start fresh (epoch 0, step 0)."
+        f"{src} holds no Lightning training state: the loops, callbacks and schedulers start fresh (epoch 0, step"
+        f" {global_step})."
     )
     with _StreamedCheckpointFile(dst) as writer:
         writer.write_skeleton(checkpoint, [placeholder for placeholder, _ in placeholders])
