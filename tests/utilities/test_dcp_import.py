@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pytorch_lightning import Trainer
-from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint
+from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint, main
 from pytorch_lightning.utilities.dcp_import import _import_dcp
 from tests.utilities.test_convert_checkpoint import source, WideAdamModel  # noqa: F401 (the fixture)
 
@@ -68,3 +68,21 @@ def test_a_torchtitan_style_directory_comes_back_and_resumes(tmp_path):
     for index, entry in native.items():
         for key, value in entry.items():
             assert torch.equal(state["state"][index][key], value), (index, key)
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_the_command_line_imports_and_refuses(source, tmp_path, capsys):  # noqa: F811
+    convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
+    with pytest.warns(UserWarning, match="no Lightning training state"):
+        main([str(tmp_path / "ckpt.dcp"), str(tmp_path / "back.ckpt"), "--from", "dcp"])
+    assert (tmp_path / "back.ckpt").is_file()
+    for argv, message in [
+        (["--from", "dcp"], "exists; pass `--force`"),
+        (["--from", "dcp", "--to", "dcp"], "not allowed with argument"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tmp_path / "ckpt.dcp"), str(tmp_path / "back.ckpt"), *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(source), str(tmp_path / "other.ckpt"), "--from", "dcp"])
+    assert exit_info.value.code == 2 and "is not a DCP checkpoint directory" in capsys.readouterr().err
