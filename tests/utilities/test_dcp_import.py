@@ -12,7 +12,7 @@ from tests.utilities.test_convert_checkpoint import source, WideAdamModel  # noq
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
 def test_the_converters_layout_comes_back_and_resumes(source, tmp_path):  # noqa: F811
     convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
-    with pytest.warns(UserWarning, match="holds no Lightning training state"):
+    with pytest.warns(UserWarning, match="holds no Lightning loops, callbacks, lr_schedulers"):
         _import_dcp(tmp_path / "ckpt.dcp", tmp_path / "back.ckpt")
     original = torch.load(source, weights_only=False)
     back = torch.load(tmp_path / "back.ckpt", weights_only=True)
@@ -73,7 +73,7 @@ def test_a_torchtitan_style_directory_comes_back_and_resumes(tmp_path):
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
 def test_the_command_line_imports_and_refuses(source, tmp_path, capsys):  # noqa: F811
     convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
-    with pytest.warns(UserWarning, match="no Lightning training state"):
+    with pytest.warns(UserWarning, match="holds no Lightning loops"):
         main([str(tmp_path / "ckpt.dcp"), str(tmp_path / "back.ckpt"), "--from", "dcp"])
     assert (tmp_path / "back.ckpt").is_file()
     for argv, message in [
@@ -86,3 +86,33 @@ def test_the_command_line_imports_and_refuses(source, tmp_path, capsys):  # noqa
     with pytest.raises(SystemExit) as exit_info:
         main([str(source), str(tmp_path / "other.ckpt"), "--from", "dcp"])
     assert exit_info.value.code == 2 and "is not a DCP checkpoint directory" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_a_lightning2_style_directory_brings_its_optimizers_and_meta(tmp_path):
+    """Lightning 2.x's sharded layout: ``model``, ``optimizer_0``, ``optimizer_1`` (each keyed by parameter name) and
+    ``meta.pt`` with the rest of its checkpoint: one optimizer state per optimizer, each with its own indices, and the
+    loops, callbacks, epoch and step from ``meta.pt``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    first, second = torch.optim.SGD([net.weight], lr=0.1, momentum=0.9), torch.optim.Adam([net.bias], lr=0.01)
+    net(torch.randn(2, 4)).sum().backward()
+    first.step(), second.step()
+    model_state, optim_0 = get_state_dict(net, first)
+    _, optim_1 = get_state_dict(net, second)
+    dcp.save({"model": model_state, "optimizer_0": optim_0, "optimizer_1": optim_1}, checkpoint_id=str(tmp_path / "l2"),
+             no_dist=True)
+    loops = {"fit_loop": {"epoch_loop.automatic_optimization.optim_progress": {"optimizer_position": 1}}}
+    torch.save({"epoch": 3, "global_step": 12, "loops": loops, "callbacks": {"cb": 1}, "lr_schedulers": [{"x": 1}]},
+               tmp_path / "l2" / "meta.pt")
+    _import_dcp(tmp_path / "l2", tmp_path / "back.ckpt", add_prefix="net.")
+    back = torch.load(tmp_path / "back.ckpt", weights_only=True)
+    assert (back["epoch"], back["global_step"], back["loops"], back["callbacks"]) == (3, 12, loops, {"cb": 1})
+    sgd, adam = back["optimizer_states"]
+    assert sgd["param_names"] == ["net.weight"] and adam["param_names"] == ["net.bias"]
+    assert torch.equal(sgd["state"][0]["momentum_buffer"], first.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(adam["state"][0]["exp_avg"], second.state_dict()["state"][0]["exp_avg"])
+    assert sgd["param_groups"][0]["params"] == [0] and adam["param_groups"][0]["lr"] == 0.01

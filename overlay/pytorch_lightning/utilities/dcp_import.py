@@ -6,6 +6,7 @@ Not done yet: Lightning 2.x's and torchtitan's layouts, ``--model-key``/``--opti
 memory benchmark; see the closing notes of issue 41.
 """
 # fork-feature: fork/checkpoint-converter.patch
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -14,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities.cloud_io import load as pl_load
 from pytorch_lightning.utilities.dcp_safe_reader import _SafeFileSystemReader, _SafeLoadPlanner
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
@@ -85,21 +87,24 @@ def _optimizer_layout(
     return layout, sources
 
 
-def _layout_keys(entries: Dict[str, Any]) -> Tuple[str, str]:
-    """The model's and the optimizer's keys of a DCP directory: ``model`` (or ``""``: the model's keys at the top
-    level, torchtitan's alternative) and ``optim`` (this converter's), ``optimizer`` (torchtitan's) or ``""``."""
+def _layout_keys(entries: Dict[str, Any]) -> Tuple[str, List[str]]:
+    """The model's and the optimizers' keys of a DCP directory: ``model`` (or ``""``: the model's keys at the top
+    level, torchtitan's alternative), and ``["optim"]`` (this converter's), ``["optimizer"]`` (torchtitan's),
+    ``["optimizer_0", ..., "optimizer_N"]`` (Lightning 2.x's) or ``[]``."""
     model_key = "model" if any(k.startswith("model.") for k in entries) else ""
-    optim_key = next((k for k in ("optim", "optimizer") if any(e.startswith(f"{k}.") for e in entries)), "")
-    return model_key, optim_key
+    heads = {key.split(".", 1)[0] for key in entries}
+    numbered = sorted((h for h in heads if re.fullmatch(r"optimizer_[0-9]+", h)), key=lambda h: int(h.split("_")[1]))
+    optim_keys = numbered or [k for k in ("optim", "optimizer") if k in heads][:1]
+    return model_key, optim_keys
 
 
 def _import_dcp(src: Path, dst: Path, add_prefix: str = "") -> None:
-    """Write the DCP directory ``src`` (the converter's layout, or torchtitan's) as a fork checkpoint file at
-    ``dst``."""
+    """Write the DCP directory ``src`` (the converter's layout, torchtitan's, or Lightning 2.x's with ``meta.pt``) as
+    a fork checkpoint file at ``dst``."""
     metadata = _SafeFileSystemReader(str(src)).read_metadata()
     entries = metadata.state_dict_metadata
-    model_key, optim_key = _layout_keys(entries)
-    others = (f"{optim_key}.", "train_state.") if optim_key else ("train_state.",)
+    model_key, optim_keys = _layout_keys(entries)
+    others = tuple(f"{key}." for key in optim_keys) + ("train_state.",)
     if model_key:
         model = {k[len("model.") :]: m for k, m in entries.items() if k.startswith("model.")}
     else:
@@ -119,14 +124,22 @@ def _import_dcp(src: Path, dst: Path, add_prefix: str = "") -> None:
         "lr_schedulers": [],
     }
     placeholders = [(state_dict[name], key) for name, key in pending.items()]
-    if optim_key:
+    for optim_key in optim_keys:
         layout, sources = _optimizer_layout(src, entries, list(model), optim_key, add_prefix)
-        checkpoint["optimizer_states"] = [layout]
+        checkpoint["optimizer_states"].append(layout)
         placeholders += [(layout["state"][index][state_key], key) for (index, state_key), key in sources.items()]
-    rank_zero_warn(
-        f"{src} holds no Lightning training state: the loops, callbacks and schedulers start fresh (epoch 0, step"
-        f" {global_step})."
-    )
+    meta = src / "meta.pt"
+    if meta.is_file():
+        # Lightning 2.x's: the rest of its checkpoint (loops, callbacks, epoch, step, schedulers), through the fork's
+        # safe loader; its loops and callbacks are mapped to 1.6.5's when the file is resumed
+        extra = pl_load(str(meta), map_location="cpu")
+        checkpoint.update({k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")})
+    fresh = [key for key in ("loops", "callbacks", "lr_schedulers") if not checkpoint.get(key)]
+    if fresh:
+        rank_zero_warn(
+            f"{src} holds no Lightning {', '.join(fresh)}: they start fresh (epoch {checkpoint['epoch']}, step"
+            f" {checkpoint['global_step']})."
+        )
     with _StreamedCheckpointFile(dst) as writer:
         writer.write_skeleton(checkpoint, [placeholder for placeholder, _ in placeholders])
         for placeholder, key in placeholders:
