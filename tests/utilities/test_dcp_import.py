@@ -1,5 +1,5 @@
-"""``--from dcp`` (work in progress): the converter's own DCP layout back into a fork checkpoint file, one tensor at
-a time, which a Trainer resumes."""
+"""``--from dcp``: DCP directories (the converter's layout, torchtitan's, Lightning 2.x's) back into a fork
+checkpoint file, one tensor at a time, which a Trainer resumes."""
 import pytest
 import torch
 
@@ -116,3 +116,43 @@ def test_a_lightning2_style_directory_brings_its_optimizers_and_meta(tmp_path):
     assert torch.equal(sgd["state"][0]["momentum_buffer"], first.state_dict()["state"][0]["momentum_buffer"])
     assert torch.equal(adam["state"][0]["exp_avg"], second.state_dict()["state"][0]["exp_avg"])
     assert sgd["param_groups"][0]["params"] == [0] and adam["param_groups"][0]["lr"] == 0.01
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_a_stopped_import_leaves_no_file_and_the_next_one_cleans_up(source, tmp_path, signal_name):  # noqa: F811
+    """``--from dcp`` writes a file: nothing is at ``DST`` until it is complete. ``SIGTERM`` mid-write removes the
+    temporary file; ``kill -9`` leaves it, and the next import into the folder removes it and succeeds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from fsdp_harness.multiprocess import ROOT
+
+    convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = out / "back.ckpt"
+    # every pwrite of the file slowed by 1 s (tests/utilities/convert_checkpoint_faults.py)
+    argv = ["-m", "tests.utilities.convert_checkpoint_faults", "slow", "1", "--", str(tmp_path / "ckpt.dcp"), str(dst)]
+    process = subprocess.Popen([sys.executable, *argv, "--from", "dcp"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("back.ckpt.*.tmp")):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0]
+            time.sleep(0.02)
+        process.send_signal(getattr(signal, signal_name))
+        output = process.communicate(timeout=60)[0]
+    finally:
+        process.kill()
+    assert not dst.exists(), output
+    if signal_name == "SIGTERM":
+        assert process.returncode == 128 + signal.SIGTERM and list(out.iterdir()) == [], output
+        return
+    assert [p.name for p in out.iterdir()][0].startswith("back.ckpt.")
+    with pytest.warns(UserWarning, match="holds no Lightning loops"):
+        main([str(tmp_path / "ckpt.dcp"), str(dst), "--from", "dcp"])
+    assert [p.name for p in out.iterdir()] == ["back.ckpt"]

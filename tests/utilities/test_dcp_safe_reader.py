@@ -1,5 +1,5 @@
-"""The converter's DCP reader refuses pickles that name anything DCP's own files never need, before they run
-(work in progress for ``--from dcp``)."""
+"""The converter's DCP reader (``--from dcp``) refuses pickles that name anything DCP's own files never need, before
+they run."""
 import os
 import pickle
 

@@ -2,6 +2,10 @@
 
     python -m pytorch_lightning.utilities.convert_checkpoint last.ckpt last.dcp --to dcp
     python -m pytorch_lightning.utilities.convert_checkpoint last.ckpt hub/ --to safetensors --strip-prefix model.
+    python -m pytorch_lightning.utilities.convert_checkpoint run/step-1000 last.ckpt --from dcp --add-prefix model.
+
+``--from dcp`` goes the other way: a torch DCP directory into a fork checkpoint file (see
+:mod:`~pytorch_lightning.utilities.dcp_import`).
 
 ``--to safetensors`` writes the model weights as the Hugging Face Hub lays them out (``model.safetensors``, or shards
 of at most ``--max-shard-size`` with ``model.safetensors.index.json``), keeping the keys under ``--strip-prefix`` with
@@ -379,7 +383,9 @@ def _parser() -> argparse.ArgumentParser:
         " codes: 0 converted; 1 writing failed; 2 refused (DST exists, or SRC cannot be converted); 130 and 143"
         " interrupted (SIGINT, SIGTERM). On failure nothing is written.",
     )
-    parser.add_argument("src", type=Path, help="the checkpoint file (Trainer.save_checkpoint)")
+    parser.add_argument(
+        "src", type=Path, help="the checkpoint file (Trainer.save_checkpoint); --from dcp: the DCP directory"
+    )
     parser.add_argument("dst", type=Path, help="the path to write")
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=sorted(FORMATS), help="the target layout")

@@ -1,9 +1,8 @@
-"""The converter's ``--from dcp`` (work in progress, issue 41): a torch Distributed Checkpoint directory in the
-converter's own layout (``{"model": state_dict, "optim": optimizer state by parameter name}``) written back as a fork
-checkpoint file that 1.6.5's Trainer resumes, one tensor at a time.
-
-Not done yet: Lightning 2.x's and torchtitan's layouts, ``--model-key``/``--optim-key``, the command line and the
-memory benchmark; see the closing notes of issue 41.
+"""The converter's ``--from dcp``: a torch Distributed Checkpoint directory written back as a fork checkpoint file
+that 1.6.5's Trainer resumes, one tensor at a time (see ``docs/leaving-fairscale.md``). The layout is told from the
+keys: the converter's own (``model``, ``optim``), torchtitan's (``model`` or top-level model keys, ``optimizer``
+flattened, ``train_state``) and Lightning 2.x's (``model``, ``optimizer_0..N``, ``meta.pt``). Every pickle is read
+through :mod:`~pytorch_lightning.utilities.dcp_safe_reader`.
 """
 # fork-feature: fork/checkpoint-converter.patch
 import re

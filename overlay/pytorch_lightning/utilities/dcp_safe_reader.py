@@ -1,5 +1,5 @@
-"""Reading a torch Distributed Checkpoint (DCP) directory without running code from it (work in progress for the
-converter's ``--from dcp``, issue 41).
+"""Reading a torch Distributed Checkpoint (DCP) directory without running code from it (the converter's
+``--from dcp``).
 
 torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with ``pickle.load``, and its
 ``DefaultLoadPlanner.load_bytes`` every non-tensor entry (``param_groups``' hyperparameters, names) with
