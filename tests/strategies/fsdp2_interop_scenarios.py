@@ -45,7 +45,7 @@ from pytorch_lightning import seed_everything, Trainer
 from pytorch_lightning.utilities import named_optimizer_state
 from pytorch_lightning.utilities.apply_func import apply_to_collection
 from pytorch_lightning.utilities.cloud_io import load as pl_load
-from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint
+from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint, import_dcp
 
 WIDTH, UNITS = 8, 2
 FULL_LOAD = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -186,8 +186,28 @@ def fsdp2(args: argparse.Namespace) -> Dict[str, Any]:
             after_step = _full_state(model, optim)
             if global_rank() == 0:
                 cases[how] = {"loaded": _compare(_portable(_read(path)), loaded), "step": _compare(stepped, after_step)}
+            if how == "dcp":
+                cases["back"] = _back_from_fsdp2(args, optimizer, model, optim, after_step)
         result[optimizer] = {"cases": cases, "param_names": "param_names" in _read(path)["optimizer_states"][0]}
     return result
+
+
+def _back_from_fsdp2(
+    args: argparse.Namespace, optimizer: str, model: nn.Module, optim: torch.optim.Optimizer, state: Dict[str, Any]
+) -> Dict[str, Any]:
+    """FSDP2 saves its sharded state with DCP in the converter's layout; global rank 0 converts it back with
+    ``--from dcp``; the file equals FSDP2's full ``state``, and the fork's FSDP resumes from it on the same ranks
+    (one more epoch)."""
+    model_state, optim_state = get_state_dict(model, optim)
+    directory, path = args.out / f"{optimizer}.back.dcp", args.out / f"{optimizer}.back.ckpt"
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+    if global_rank() == 0:
+        import_dcp(directory, path)
+    dist.barrier()
+    compared = _compare(state, _portable(_read(path))) if global_rank() == 0 else {}
+    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=CPUFullyShardedStrategy(), max_epochs=2))
+    trainer.fit(_model(optimizer), ckpt_path=str(path))
+    return {"file": compared, "resumed_step": trainer.global_step}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

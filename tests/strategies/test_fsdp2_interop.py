@@ -33,3 +33,14 @@ def test_fsdp_checkpoint_loads_into_fsdp2(fsdp2_run, optimizer, how):
     for stage in ("loaded", "step"):
         assert case[stage]["ok"], (stage, case[stage])
         assert case[stage]["compared"] == tensors, (stage, case[stage])
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fsdp2_dcp_comes_back_with_from_dcp_and_the_fork_resumes(fsdp2_run, optimizer):
+    """FSDP2's own sharded DCP save (after the step above), converted with ``--from dcp``: the file equals FSDP2's
+    full state bit for bit (parameters, optimizer tensors, groups), and the fork's FSDP resumes from it on 2 ranks."""
+    back = fsdp2_run[0][optimizer]["cases"]["back"]
+    assert back["file"]["ok"], back["file"]
+    assert back["file"]["compared"] == 5 * (1 + {"adam": 3, "sgd": 1}[optimizer]), back["file"]
+    assert back["resumed_step"] > 0

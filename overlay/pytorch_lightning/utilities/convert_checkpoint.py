@@ -2,6 +2,10 @@
 
     python -m pytorch_lightning.utilities.convert_checkpoint last.ckpt last.dcp --to dcp
     python -m pytorch_lightning.utilities.convert_checkpoint last.ckpt hub/ --to safetensors --strip-prefix model.
+    python -m pytorch_lightning.utilities.convert_checkpoint run/step-1000 last.ckpt --from dcp --add-prefix model.
+
+``--from dcp`` goes the other way: a torch DCP directory into a fork checkpoint file (see
+:mod:`~pytorch_lightning.utilities.dcp_import`).
 
 ``--to safetensors`` writes the model weights as the Hugging Face Hub lays them out (``model.safetensors``, or shards
 of at most ``--max-shard-size`` with ``model.safetensors.index.json``), keeping the keys under ``--strip-prefix`` with
@@ -47,6 +51,7 @@ from pytorch_lightning.utilities.atomic_save import (
     _writer_host_id,
     STALE_TEMPORARY_FILE_AGE,
 )
+from pytorch_lightning.utilities.dcp_import import _import_dcp
 from pytorch_lightning.utilities.checkpoint_verification import (
     _check_record_of,
     _close_read_check,
@@ -249,7 +254,7 @@ def _root_cause(error: BaseException) -> BaseException:
     chain = [error]
     while chain[-1].__context__ is not None and len(chain) < 16:
         chain.append(chain[-1].__context__)
-    for wanted in ((KeyboardInterrupt, SystemExit), CheckpointError, OSError):
+    for wanted in ((KeyboardInterrupt, SystemExit), MisconfigurationException, CheckpointError, OSError):
         found = next((e for e in chain if isinstance(e, wanted)), None)
         if found is not None:
             return found
@@ -378,9 +383,18 @@ def _parser() -> argparse.ArgumentParser:
         " codes: 0 converted; 1 writing failed; 2 refused (DST exists, or SRC cannot be converted); 130 and 143"
         " interrupted (SIGINT, SIGTERM). On failure nothing is written.",
     )
-    parser.add_argument("src", type=Path, help="the checkpoint file (Trainer.save_checkpoint)")
+    parser.add_argument(
+        "src", type=Path, help="the checkpoint file (Trainer.save_checkpoint); --from dcp: the DCP directory"
+    )
     parser.add_argument("dst", type=Path, help="the path to write")
-    parser.add_argument("--to", required=True, choices=sorted(FORMATS), help="the target layout")
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--to", choices=sorted(FORMATS), help="the target layout")
+    direction.add_argument(
+        "--from", dest="source_layout", choices=["dcp"], help="dcp: SRC is a DCP directory, DST a fork checkpoint file"
+    )
+    parser.add_argument(
+        "--add-prefix", default="", metavar="PREFIX", help="--from dcp: put PREFIX before every parameter name"
+    )
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     parser.add_argument(
         "--strip-prefix",
@@ -401,6 +415,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="show no progress bar")
     return parser
+
+
+def import_dcp(src: _PATH, dst: _PATH, force: bool = False, add_prefix: str = "") -> None:
+    """Write the DCP directory ``src`` as a fork checkpoint file ``dst`` (see
+    :mod:`~pytorch_lightning.utilities.dcp_import`); nothing is at ``dst`` until it succeeded.
+
+    Raises:
+        MisconfigurationException: ``dst`` exists and ``force`` is off, or ``src`` is not a DCP directory this
+            converter reads; nothing was written.
+    """
+    src, dst = Path(src), Path(dst)
+    if not (src / ".metadata").is_file():
+        raise MisconfigurationException(f"{src} is not a DCP checkpoint directory (no `.metadata`).")
+    if (dst.exists() or dst.is_symlink()) and not force:
+        raise MisconfigurationException(f"{dst} exists; pass `--force` (`force=True`) to replace it.")
+    try:
+        _import_dcp(src, dst, add_prefix=add_prefix)
+    except CheckpointException as ex:
+        # DCP's load wraps what its steps raise (the safe planner's refusal too): raise the error itself
+        raise _root_cause(next(iter(ex.failures.values()))[0]) from None
 
 
 def _free_space(folder: Path) -> str:
@@ -425,17 +459,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if signum is not None
     }
     try:
-        convert_checkpoint(
-            args.src,
-            args.dst,
-            to=args.to,
-            force=args.force,
-            progress=args.progress,
-            strip_prefix=args.strip_prefix,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            tie=args.tie,
-        )
+        if args.source_layout == "dcp":
+            import_dcp(args.src, args.dst, force=args.force, add_prefix=args.add_prefix)
+        else:
+            convert_checkpoint(
+                args.src,
+                args.dst,
+                to=args.to,
+                force=args.force,
+                progress=args.progress,
+                strip_prefix=args.strip_prefix,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                tie=args.tie,
+            )
     except MisconfigurationException as ex:
         parser.exit(2, f"{parser.prog}: error: {_one_line(ex)}\n")
     except CheckpointError as ex:

@@ -1,0 +1,95 @@
+"""Reading a torch Distributed Checkpoint (DCP) directory without running code from it (the converter's
+``--from dcp``).
+
+torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with ``pickle.load``, and its
+``DefaultLoadPlanner.load_bytes`` every non-tensor entry (``param_groups``' hyperparameters, names) with
+``torch.load(weights_only=False)``: a directory from elsewhere runs whatever its pickles name. Here
+:class:`_SafeFileSystemReader` unpickles ``.metadata`` with a ``find_class`` allow-list of exactly the globals DCP's
+metadata needs (:data:`METADATA_GLOBALS`, measured on torch 2.13), and :class:`_SafeLoadPlanner` loads the non-tensor
+entries with ``torch.load(weights_only=True)``. A file that needs anything else is refused before its payload runs.
+"""
+# fork-feature: fork/checkpoint-converter.patch
+import io
+import pickle
+from typing import Any, FrozenSet, Tuple
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+#: the globals a ``.metadata`` of ``dcp.save`` names
+METADATA_GLOBALS: FrozenSet[Tuple[str, str]] = frozenset(
+    {
+        ("pathlib", "PosixPath"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        *(
+            (_DCP_METADATA, name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        # the dtypes
+        *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)),
+    }
+)
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle named a global outside the allow-list."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in METADATA_GLOBALS:
+            raise _RefusedGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class _SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is unpickled with :data:`METADATA_GLOBALS` only."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            try:
+                metadata = _MetadataUnpickler(metadata_file).load()
+            except _RefusedGlobal as ex:
+                raise MisconfigurationException(
+                    f"{path} names `{ex}`, which a DCP checkpoint's metadata never needs: refused, nothing of it ran."
+                ) from None
+        if not isinstance(metadata, Metadata):
+            raise MisconfigurationException(f"{path} is not a DCP checkpoint's metadata ({type(metadata).__name__}).")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads the non-tensor entries with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as ex:
+            raise MisconfigurationException(
+                f"The DCP entry {read_item.dest_index.fqn!r} needs more than tensors and plain values to load:"
+                f" refused, nothing of it ran ({' '.join(str(ex).split())[:200]})."
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

@@ -1,0 +1,66 @@
+"""The converter's DCP reader (``--from dcp``) refuses pickles that name anything DCP's own files never need, before
+they run."""
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pytorch_lightning.utilities.dcp_safe_reader import _SafeFileSystemReader, _SafeLoadPlanner
+from torch.distributed.checkpoint import CheckpointException
+
+
+def _save(directory) -> dict:
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optim": {"param_groups": optimizer.state_dict()["param_groups"]}}
+    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+    return state
+
+
+def _load(directory) -> dict:
+    template = {"model": {k: torch.zeros(s) for k, s in (("weight", (3, 4)), ("bias", (3,)))}, "optim": {}}
+    template["optim"] = {"param_groups": [{"lr": None}]}
+    dcp.load(template, storage_reader=_SafeFileSystemReader(str(directory)), planner=_SafeLoadPlanner(), no_dist=True)
+    return template
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PAYLOAD_RAN",))
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_a_dcp_directory_loads_through_the_safe_reader(tmp_path):
+    saved = _save(tmp_path / "ckpt")
+    loaded = _load(tmp_path / "ckpt")
+    assert torch.equal(loaded["model"]["weight"], saved["model"]["weight"])
+    assert loaded["optim"]["param_groups"][0]["lr"] == 0.1
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_a_payload_in_the_metadata_is_refused_and_never_runs(tmp_path, monkeypatch):
+    _save(tmp_path / "ckpt")
+    metadata = tmp_path / "ckpt" / ".metadata"
+    original = pickle.loads(metadata.read_bytes())
+    original.storage_meta = _Payload()
+    metadata.write_bytes(pickle.dumps(original))
+    monkeypatch.chdir(tmp_path)
+    # DCP wraps what its steps raise; the converter raises the refusal itself (``_root_cause``)
+    with pytest.raises(CheckpointException, match="names `(posix|os).system`, which a DCP checkpoint's metadata never"):
+        _load(tmp_path / "ckpt")
+    assert not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_a_payload_in_a_param_group_is_refused_and_never_runs(tmp_path, monkeypatch):
+    model = torch.nn.Linear(4, 3)
+    state = {"model": model.state_dict(), "optim": {"param_groups": [{"lr": _Payload()}]}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointException, match="'optim.param_groups.0.lr' needs more than tensors"):
+        _load(tmp_path / "ckpt")
+    assert not (tmp_path / "PAYLOAD_RAN").exists()
