@@ -18,6 +18,7 @@ the plain model and the plain optimizer, loaded from the file, after the same st
 Every rank writes ``<out>/rank<N>.json``; driven by ``test_fsdp2_interop.py``.
 """
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -42,6 +44,7 @@ from fsdp_harness.models import FSDPModel
 from fsdp_harness.scenario import global_rank, main, quiet_trainer_kwargs
 from fsdp_harness.tensor_compare import compare_tensors
 from pytorch_lightning import seed_everything, Trainer
+from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import named_optimizer_state
 from pytorch_lightning.utilities.apply_func import apply_to_collection
 from pytorch_lightning.utilities.cloud_io import load as pl_load
@@ -186,33 +189,118 @@ def fsdp2(args: argparse.Namespace) -> Dict[str, Any]:
             after_step = _full_state(model, optim)
             if global_rank() == 0:
                 cases[how] = {"loaded": _compare(_portable(_read(path)), loaded), "step": _compare(stepped, after_step)}
-            if how == "dcp":
+            if how == "dcp" and optimizer in args.back.split(","):
                 cases["back"] = _back_from_fsdp2(args, optimizer, model, optim, after_step)
         result[optimizer] = {"cases": cases, "param_names": "param_names" in _read(path)["optimizer_states"][0]}
     return result
 
 
+#: the DCP layouts ``--from dcp`` reads, as FSDP2 writes them in ``_back_from_fsdp2``
+LAYOUTS = ("converter", "lightning2", "torchtitan", "replicated")
+
+
+def _dcp_layout(
+    layout: str, model: nn.Module, optim: torch.optim.Optimizer
+) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The state a DCP writer saves in ``layout``, and what it puts in ``meta.pt`` (Lightning 2.x's): the
+    converter's (``model``, ``optim``), Lightning 2.x's (``model``, ``optimizer_0``), torchtitan's (the model's keys at
+    the top level, ``optimizer`` flattened, ``train_state``, ``lr_scheduler``, each rank's ``dataloader``), and
+    torchtitan's again from a replicated (unsharded) model, every rank saving the same tensors: DCP then writes each
+    entry from one rank, chosen for balance, and ``.metadata`` lists them rank by rank, out of the model's order."""
+    if layout in ("converter", "lightning2"):
+        model_state, optim_state = get_state_dict(model, optim)
+        if layout == "converter":
+            return {"model": model_state, "optim": optim_state}, {}
+        return {"model": model_state, "optimizer_0": optim_state}, {"epoch": 1, "global_step": 3, "lr_schedulers": []}
+    full = layout == "replicated"
+    model_state, optim_state = get_state_dict(
+        model, optim, options=StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=True)
+    )
+    train_state = {"step": torch.tensor(5, dtype=torch.int32), "ntokens_seen": torch.tensor(640)}
+    others = {"lr_scheduler": {"last_epoch": 5, "base_lrs": [0.01]}, "dataloader": {f"dp_rank_{global_rank()}": b"x"}}
+    return {**model_state, "optimizer": optim_state, "train_state": train_state, **others}, {}
+
+
 def _back_from_fsdp2(
     args: argparse.Namespace, optimizer: str, model: nn.Module, optim: torch.optim.Optimizer, state: Dict[str, Any]
 ) -> Dict[str, Any]:
-    """FSDP2 saves its sharded state with DCP in the converter's layout; global rank 0 converts it back with
-    ``--from dcp``; the file equals FSDP2's full ``state``, and the fork's FSDP resumes from it on the same ranks
-    (one more epoch)."""
-    model_state, optim_state = get_state_dict(model, optim)
-    directory, path = args.out / f"{optimizer}.back.dcp", args.out / f"{optimizer}.back.ckpt"
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
-    if global_rank() == 0:
-        import_dcp(directory, path)
-    dist.barrier()
-    compared = _compare(state, _portable(_read(path))) if global_rank() == 0 else {}
-    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, strategy=CPUFullyShardedStrategy(), max_epochs=2))
-    trainer.fit(_model(optimizer), ckpt_path=str(path))
-    return {"file": compared, "resumed_step": trainer.global_step}
+    """FSDP2 saves its state with DCP in each of :data:`LAYOUTS`; global rank 0 converts each back with ``--from
+    dcp``. Each file equals FSDP2's full ``state`` (tensors bit for bit, the groups); then each is resumed (see
+    :func:`_resumes`) by the fork's FSDP and by DDP on these ranks."""
+    cases: Dict[str, Any] = {}
+    for layout in LAYOUTS:
+        saved, meta = _dcp_layout(layout, model, optim)
+        directory, path = args.out / f"{optimizer}.{layout}.dcp", args.out / f"{optimizer}.{layout}.back.ckpt"
+        dcp.save(saved, checkpoint_id=str(directory))
+        if global_rank() == 0:
+            if meta:
+                torch.save(meta, directory / "meta.pt")
+            prefix = "model." if layout in ("converter", "lightning2") else ""
+            order = [key[len(prefix) :] for key in FileSystemReader(str(directory)).read_metadata().state_dict_metadata]
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*start(ing)? fresh|.*left out")
+                import_dcp(directory, path, progress=False)
+            cases[layout] = {
+                "file": _compare(_sorted_groups(state), _sorted_groups(_portable(_read(path)))),
+                "model_order": [key for key in order if key in state["model"]] == list(state["model"]),
+            }
+        dist.barrier()
+    resumed = _resumes(args, optimizer, ("fsdp", "ddp"))
+    for layout, case in cases.items():
+        case["resumed"] = resumed[layout]
+    return cases
+
+
+def _sorted_groups(portable: Dict[str, Any]) -> Dict[str, Any]:
+    """``portable`` with each group's parameter names sorted: a file converted from DCP names them in the order of
+    its ``.metadata``, and only the names matter to a resume."""
+    groups = [dict(group, params=sorted(group["params"])) for group in portable["optim"]["param_groups"]]
+    return {"model": portable["model"], "optim": dict(portable["optim"], param_groups=groups)}
+
+
+def _strategy(name: str) -> Any:
+    return {"fsdp": CPUFullyShardedStrategy(), "ddp": DDPStrategy(), "single": None}[name]
+
+
+def _resumes(args: argparse.Namespace, optimizer: str, strategies: Tuple[str, ...]) -> Dict[str, Any]:
+    """Each converted file in ``args.out`` resumed by each strategy on these ranks, up to its own global step (no
+    training step), and saved again: the saved parameters and optimizer state equal the file's (by name, bit for
+    bit), so the resume restored them all. Collective; the result is global rank 0's."""
+    result: Dict[str, Any] = {}
+    names = [name for name, p in _plain(optimizer)[0].named_parameters() if p.requires_grad]
+    for layout in LAYOUTS:
+        path = args.out / f"{optimizer}.{layout}.back.ckpt"
+        result[layout] = {}
+        for name in strategies:
+            resaved = args.out / f"{optimizer}.{layout}.{name}.{args.devices}.ckpt"
+            step = _read(path)["global_step"]
+            kwargs = quiet_trainer_kwargs(args.out, args.devices, strategy=_strategy(name), max_steps=step)
+            trainer = Trainer(**kwargs)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*max_steps|.*num_workers|.*does not have many workers")
+                trainer.fit(_model(optimizer), ckpt_path=str(path))
+            trainer.save_checkpoint(resaved)
+            if global_rank() == 0:
+                again = _read(resaved)
+                state = again["optimizer_states"][0]
+                # DDP and one device save the optimizer's own state, by index in the model's order
+                named = named_optimizer_state(state, state.get("param_names", names))
+                resumed = {"model": again["state_dict"], "optim": named}
+                compared = _compare(_sorted_groups(_portable(_read(path))), _sorted_groups(resumed))
+                result[layout][name] = {**compared, "step": trainer.global_step}
+    return result
+
+
+def resume_back(args: argparse.Namespace) -> Dict[str, Any]:
+    """The files ``fsdp2`` converted (in ``args.out``), resumed by the fork's FSDP and on one device on
+    ``args.devices`` (1) rank."""
+    return {optimizer: _resumes(args, optimizer, ("fsdp", "single")) for optimizer in args.back.split(",")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizers", default="adam,sgd")
+    parser.add_argument("--back", default="adam", help="the optimizers whose FSDP2 state goes back with --from dcp")
 
 
 if __name__ == "__main__":
-    main({"fsdp2": fsdp2}, add_arguments)
+    main({"fsdp2": fsdp2, "resume_back": resume_back}, add_arguments)

@@ -11,8 +11,13 @@ TIMEOUT = 300
 
 
 @pytest.fixture(scope="module")
-def fsdp2_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2")
+def fsdp2_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp2")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(fsdp2_out):
+    out = fsdp2_out
     return run_scenario(SCENARIOS, "fsdp2", out, "--optimizers", ",".join(OPTIMIZERS), timeout=TIMEOUT - 60, grace=30)
 
 
@@ -35,12 +40,26 @@ def test_fsdp_checkpoint_loads_into_fsdp2(fsdp2_run, optimizer, how):
         assert case[stage]["compared"] == tensors, (stage, case[stage])
 
 
+@pytest.fixture(scope="module")
+def resumed_on_one_rank(fsdp2_run, fsdp2_out):
+    """The files the 2-rank run converted, resumed on 1 rank (the fork's FSDP, and one device)."""
+    options = dict(devices=1, timeout=TIMEOUT - 60, grace=30)
+    return run_scenario(SCENARIOS, "resume_back", fsdp2_out, "--back", "adam", **options)
+
+
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_fsdp2_dcp_comes_back_with_from_dcp_and_the_fork_resumes(fsdp2_run, optimizer):
-    """FSDP2's own sharded DCP save (after the step above), converted with ``--from dcp``: the file equals FSDP2's
-    full state bit for bit (parameters, optimizer tensors, groups), and the fork's FSDP resumes from it on 2 ranks."""
-    back = fsdp2_run[0][optimizer]["cases"]["back"]
+@pytest.mark.parametrize("layout", ["converter", "lightning2", "torchtitan", "replicated"])
+def test_fsdp2_dcp_comes_back_with_from_dcp_and_resumes(fsdp2_run, resumed_on_one_rank, layout):
+    """FSDP2's DCP save (after the step above) in each layout a DCP writer uses, converted with ``--from dcp``: the
+    file equals FSDP2's full state bit for bit (parameters, Adam's tensors, groups), and the fork's FSDP and DDP on 2
+    ranks, and the fork's FSDP and one device on 1 rank, restore all of it (saved again at once, equal by name).
+    ``replicated`` is torchtitan's layout from a model every rank holds whole: its ``.metadata`` lists the model out of
+    order (asserted), which the resume matches by name."""
+    back = fsdp2_run[0]["adam"]["cases"]["back"][layout]
     assert back["file"]["ok"], back["file"]
-    assert back["file"]["compared"] == 5 * (1 + {"adam": 3, "sgd": 1}[optimizer]), back["file"]
-    assert back["resumed_step"] > 0
+    assert back["file"]["compared"] == 5 * 4, back["file"]
+    assert back["model_order"] == (layout != "replicated")
+    resumed = {**back["resumed"], **{f"{k}-1": v for k, v in resumed_on_one_rank[0]["adam"][layout].items()}}
+    assert sorted(resumed) == ["ddp", "fsdp", "fsdp-1", "single-1"]
+    for strategy, case in resumed.items():
+        assert case["ok"] and case["compared"] == 5 * 4, (strategy, case)

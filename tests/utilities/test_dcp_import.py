@@ -1,9 +1,17 @@
 """``--from dcp``: DCP directories (the converter's layout, torchtitan's, Lightning 2.x's) back into a fork
-checkpoint file, one tensor at a time, which a Trainer resumes."""
+checkpoint file, one tensor at a time, which a Trainer resumes. (FSDP2's own sharded saves, resumed by the fork's
+FSDP, DDP and one device on 2 and 1 ranks: ``tests/strategies/test_fsdp2_interop.py``.)"""
+import io
+import shutil
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
 
-from pytorch_lightning import Trainer
+from pytorch_lightning import LightningModule, Trainer
+from pytorch_lightning.utilities import named_optimizer_state
 from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint, main
 from pytorch_lightning.utilities.dcp_import import _import_dcp
 from tests.utilities.test_convert_checkpoint import source, WideAdamModel  # noqa: F401 (the fixture)
@@ -12,7 +20,8 @@ from tests.utilities.test_convert_checkpoint import source, WideAdamModel  # noq
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
 def test_the_converters_layout_comes_back_and_resumes(source, tmp_path):  # noqa: F811
     convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
-    with pytest.warns(UserWarning, match="holds no Lightning loops, callbacks, lr_schedulers"):
+    fresh = "starting fresh .*: the loops, the callbacks. state, a configured learning-rate scheduler"
+    with pytest.warns(UserWarning, match=fresh):
         _import_dcp(tmp_path / "ckpt.dcp", tmp_path / "back.ckpt")
     original = torch.load(source, weights_only=False)
     back = torch.load(tmp_path / "back.ckpt", weights_only=True)
@@ -73,7 +82,7 @@ def test_a_torchtitan_style_directory_comes_back_and_resumes(tmp_path):
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
 def test_the_command_line_imports_and_refuses(source, tmp_path, capsys):  # noqa: F811
     convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
-    with pytest.warns(UserWarning, match="holds no Lightning loops"):
+    with pytest.warns(UserWarning, match="starting fresh .*: the loops"):
         main([str(tmp_path / "ckpt.dcp"), str(tmp_path / "back.ckpt"), "--from", "dcp"])
     assert (tmp_path / "back.ckpt").is_file()
     for argv, message in [
@@ -153,6 +162,176 @@ def test_a_stopped_import_leaves_no_file_and_the_next_one_cleans_up(source, tmp_
         assert process.returncode == 128 + signal.SIGTERM and list(out.iterdir()) == [], output
         return
     assert [p.name for p in out.iterdir()][0].startswith("back.ckpt.")
-    with pytest.warns(UserWarning, match="holds no Lightning loops"):
+    with pytest.warns(UserWarning, match="starting fresh .*: the loops"):
         main([str(tmp_path / "ckpt.dcp"), str(dst), "--from", "dcp"])
     assert [p.name for p in out.iterdir()] == ["back.ckpt"]
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _llama_optimizer(net):
+    """torchtitan's AdamW, with a group without weight decay (the norms), its learning rate a tensor."""
+    decay = [p for p in net.parameters() if p.dim() > 1]
+    rest = [p for p in net.parameters() if p.dim() <= 1]
+    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": torch.tensor(2e-3)}]
+    return torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
+
+
+class _LlamaModule(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = _llama()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(input_ids=batch, labels=batch).loss
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randint(0, 64, (8, 6)), batch_size=2)
+
+    def configure_optimizers(self):
+        return _llama_optimizer(self.net)
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_a_torchtitan_directory_of_a_hugging_face_model_comes_back_and_resumes(tmp_path, monkeypatch):
+    """torchtitan's checkpoint of a (tiny, random) Llama: its keys at the top level (``model.*`` and ``lm_head``, so
+    not the converter's ``model``), AdamW flattened (a tensor learning rate), ``train_state.step`` an int32 tensor,
+    ``lr_scheduler`` and each rank's ``dataloader``: the file holds the model and AdamW's state, the step, and the
+    warning names what is left out; ``.metadata`` is read once. The Trainer resumes it on one device (saved again at
+    once: parameters and optimizer state equal by name)."""
+    net = _llama()
+    optimizer = _llama_optimizer(net)
+    batch = torch.randint(0, 64, (2, 6))
+    net(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    flattened = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(net, optimizer, options=flattened)
+    state = {
+        **model_state,
+        "optimizer": optim_state,
+        "train_state": {"step": torch.tensor(7, dtype=torch.int32), "ntokens_seen": torch.tensor(84)},
+        "lr_scheduler": {"last_epoch": 7, "base_lrs": [1e-3, 2e-3], "_step_count": 8},
+        "dataloader": {"dp_rank_0": io.BytesIO(b"sampler state")},
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    opened = []
+    create_stream = FileSystem.create_stream
+
+    def counting(self, path, mode):
+        opened.append(str(path).rsplit("/", 1)[-1])
+        return create_stream(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", counting)
+    message = (
+        r"global step 7; starting fresh \(not in the directory\): the loops, the callbacks' state, a configured"
+        r" learning-rate scheduler; left out \(1.6.5 has no place for them\): train_state.ntokens_seen,"
+        r" lr_scheduler.\*, dataloader.\*"
+    )
+    with pytest.warns(UserWarning, match=message):
+        _import_dcp(tmp_path / "tt", tmp_path / "back.ckpt", add_prefix="net.")
+    assert opened.count(".metadata") == 1
+    back = torch.load(tmp_path / "back.ckpt", weights_only=True)
+    assert back["global_step"] == 7
+    assert back["state_dict"].keys() == {f"net.{name}" for name in net.state_dict()}
+    for name, value in net.state_dict().items():
+        assert torch.equal(back["state_dict"][f"net.{name}"], value), name
+    (saved,) = back["optimizer_states"]
+    name_of = {id(p): f"net.{name}" for name, p in net.named_parameters()}
+    in_optimizer_order = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    native = named_optimizer_state(optimizer.state_dict(), in_optimizer_order)
+    named = named_optimizer_state(saved)
+    for name, entry in native["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(named["state"][name][key], value), (name, key)
+    lrs = [group["lr"] for group in saved["param_groups"]]
+    assert lrs[0] == 1e-3 and isinstance(lrs[1], torch.Tensor) and torch.equal(lrs[1], torch.tensor(2e-3))
+    assert [sorted(g["params"]) for g in named["param_groups"]] == [sorted(g["params"]) for g in native["param_groups"]]
+
+    monkeypatch.undo()
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=7, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(_LlamaModule(), ckpt_path=str(tmp_path / "back.ckpt"))
+    trainer.save_checkpoint(tmp_path / "again.ckpt")
+    again = torch.load(tmp_path / "again.ckpt", weights_only=True)
+    for name, value in back["state_dict"].items():
+        assert torch.equal(again["state_dict"][name], value), name
+    # one device saves the optimizer's own state: by index in the optimizer's order
+    resumed = named_optimizer_state(again["optimizer_states"][0], in_optimizer_order)
+    for name, entry in named["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(resumed["state"][name][key], value), (name, key)
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_a_model_only_directory_says_the_optimizer_starts_fresh(tmp_path):
+    net = torch.nn.Linear(4, 3)
+    dcp.save({"model": net.state_dict()}, checkpoint_id=str(tmp_path / "weights"), no_dist=True)
+    torch.save({"epoch": 2, "global_step": 8, "loops": {}, "callbacks": {}, "lr_schedulers": []},
+               tmp_path / "weights" / "meta.pt")
+    with pytest.warns(UserWarning, match=r"starting fresh \(not in the directory\): the optimizer state\.$"):
+        _import_dcp(tmp_path / "weights", tmp_path / "back.ckpt", add_prefix="net.")
+    back = torch.load(tmp_path / "back.ckpt", weights_only=True)
+    assert (back["epoch"], back["global_step"], back["optimizer_states"]) == (2, 8, [])
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_model_key_and_optim_key_override_the_detection(tmp_path, capsys):
+    """Keys no writer this converter knows uses: the optimizer is found by its ``param_groups``, but its names are
+    not the top-level model's until ``--model-key`` names the model's key; ``--optim-key`` names the optimizer."""
+    net = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    _, optim_state = get_state_dict(net, optimizer)
+    dcp.save({"weights": net.state_dict(), "sgd": optim_state}, checkpoint_id=str(tmp_path / "own"), no_dist=True)
+    argv = [str(tmp_path / "own"), str(tmp_path / "back.ckpt"), "--from", "dcp", "--add-prefix", "net."]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "names parameters the model does not have: ['weight', 'bias']" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="starting fresh"):
+        main([*argv, "--model-key", "weights", "--optim-key", "sgd"])
+    back = torch.load(tmp_path / "back.ckpt", weights_only=True)
+    assert list(back["state_dict"]) == ["net.weight", "net.bias"]
+    assert back["optimizer_states"][0]["param_names"] == ["net.weight", "net.bias"]
+    expected = optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(back["optimizer_states"][0]["state"][0]["momentum_buffer"], expected)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--force", "--model-key", "weights", "--optim-key", "adam"])
+    assert exit_info.value.code == 2 and "holds no optimizer state under 'adam'" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_the_command_line_refuses_what_does_not_apply_and_a_broken_source(source, tmp_path, capsys):  # noqa: F811
+    """Each direction's options are refused in the other; a directory is never replaced by the file; a source whose
+    data file is missing is refused (exit 2), not taken for a failed write; nothing is written."""
+    convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
+    (tmp_path / "folder").mkdir()
+    dcp_argv = [str(tmp_path / "ckpt.dcp"), str(tmp_path / "back.ckpt"), "--from", "dcp"]
+    for argv, message in [
+        ([*dcp_argv, "--strip-prefix", "model."], "--strip-prefix applies to --to safetensors only, not to --from"),
+        ([*dcp_argv, "--tie", "a=b"], "--tie applies to --to safetensors only"),
+        ([str(source), str(tmp_path / "d"), "--to", "dcp", "--add-prefix", "x."], "--add-prefix applies to --from"),
+        ([str(tmp_path / "ckpt.dcp"), str(tmp_path / "folder"), "--from", "dcp", "--force"], "is a directory"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+    broken = tmp_path / "broken.dcp"
+    shutil.copytree(tmp_path / "ckpt.dcp", broken)
+    next(broken.glob("*.distcp")).unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(broken), str(tmp_path / "back.ckpt"), "--from", "dcp", "--no-progress"])
+    assert exit_info.value.code == 2 and "cannot be read" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.dcp", "ckpt.dcp", "folder"]

@@ -64,3 +64,41 @@ def test_a_payload_in_a_param_group_is_refused_and_never_runs(tmp_path, monkeypa
     with pytest.raises(CheckpointException, match="'optim.param_groups.0.lr' needs more than tensors"):
         _load(tmp_path / "ckpt")
     assert not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+_NEW = b"torch.distributed.checkpoint.metadata\n"
+_OLD = b"torch.distributed._shard.sharded_tensor.metadata\n"
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+@pytest.mark.parametrize(
+    "written_by, renames",
+    [
+        # Python 3.13's pathlib is a package
+        ("python 3.13", [(b"pathlib\nPosixPath\n", b"pathlib._local\nPosixPath\n")]),
+        # torch < 2.2 pickled TensorProperties, and its memory format, from the sharded tensor's module
+        (
+            "torch < 2.2",
+            [(_NEW + b"TensorProperties\n", _OLD + b"TensorProperties\n"),
+             (_NEW + b"_MEM_FORMAT_ENCODING\n", _OLD + b"MEM_FORMAT_ENCODING\n")],
+        ),
+    ],
+)
+def test_metadata_written_by_other_versions_loads(tmp_path, written_by, renames):
+    """The same classes pickled under the names other versions give them: the metadata's pickle (protocol 2, whose
+    globals are ``module\\nname`` lines) is rewritten as they write it, and still loads."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    saved = _save(tmp_path / "ckpt")
+    metadata = tmp_path / "ckpt" / ".metadata"
+    original = pickle.loads(metadata.read_bytes())
+    original.storage_meta = StorageMeta(checkpoint_id=Path(tmp_path / "ckpt"))
+    data = pickle.dumps(original, protocol=2)
+    for new, old in renames:
+        assert b"c" + new in data, (written_by, new)
+        data = data.replace(b"c" + new, b"c" + old)
+    metadata.write_bytes(data)
+    loaded = _load(tmp_path / "ckpt")
+    assert torch.equal(loaded["model"]["weight"], saved["model"]["weight"]), written_by

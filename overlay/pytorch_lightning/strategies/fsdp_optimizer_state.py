@@ -22,7 +22,7 @@ from pytorch_lightning.strategies.fsdp_introspection import (
     _outermost_fsdp_instances,
 )
 from pytorch_lightning.strategies.fsdp_portable_optimizer_state import (
-    _check_optimizer_state_fits,
+    _fitting_optimizer_state,
     _is_rank_zero_shard,
     _load_hyperparameters_of_rank_zero_shard,
     _load_portable_optimizer_state,
@@ -181,8 +181,7 @@ def _load_optimizer_state_dict(strategy: "DDPFullyShardedStrategy", checkpoint: 
                     "The checkpoint holds the optimizer state of FSDP instances, but the LightningModule has none."
                     " Wrap the model as it was wrapped when the checkpoint was saved."
                 )
-            _check_optimizer_state_fits(module, optimizer, opt_state)
-            optimizer.load_state_dict(opt_state)
+            optimizer.load_state_dict(_fitting_optimizer_state(module, optimizer, opt_state))
         elif layout == "per_rank" and _is_rank_zero_shard(module, optimizer, opt_state):
             _load_hyperparameters_of_rank_zero_shard(optimizer, opt_state)
         elif layout == "per_rank":

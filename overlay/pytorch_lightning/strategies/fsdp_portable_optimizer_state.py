@@ -229,6 +229,35 @@ def _hyperparameters(group: Mapping[str, Any]) -> Dict[str, Any]:
     return {key: value for key, value in group.items() if key not in ("params", "param_names")}
 
 
+def _in_optimizer_order(
+    expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """``opt_state`` with its param groups, and the parameters in each, in the order of ``expected`` where its
+    ``"param_names"`` name the same parameters per group in another order, else ``opt_state`` itself. A file
+    converted from a torch DCP directory has no other order than its ``.metadata``'s, where the entries that several
+    ranks hold (a replicated parameter's ``step``, the flattened groups' hyperparameters) come in the order of the
+    rank that wrote them."""
+    names, groups = opt_state.get("param_names"), opt_state.get("param_groups")
+    if names is None or groups is None or len(groups) != len(expected):
+        return opt_state
+    try:
+        saved = [[names[i] for i in group["params"]] for group in groups]
+    except (IndexError, TypeError):
+        return opt_state
+    wanted = [[param.name for param in params] for params in expected]
+    if saved == wanted:
+        return opt_state
+    group_of = {name: g for g, members in enumerate(saved) for name in members}
+    index_of = {name: i for i, name in enumerate(names)}
+    ordered = []
+    for params in wanted:
+        g = group_of.get(params[0]) if params else None
+        if g is None or sorted(saved[g]) != sorted(params):
+            return opt_state  # other parameters: left to the check, which names the first mismatch
+        ordered.append(dict(groups[g], params=[index_of[name] for name in params]))
+    return dict(opt_state, param_groups=ordered)
+
+
 def _first_mismatch(expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any]) -> Optional[str]:
     """What first keeps the saved optimizer state ``opt_state`` (``optimizer.state_dict()``-like, optionally with
     ``"param_names"``) from mapping onto the parameters ``expected`` in each param group, or ``None`` if it maps.
@@ -293,10 +322,13 @@ _FSDP_GROUPS_HINT = (
 )
 
 
-def _check_optimizer_state_fits(module: Module, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
-    """Raise, naming the first mismatch, unless a portable optimizer state that ``DDPFullyShardedStrategy`` saved
-    maps onto ``optimizer`` of the unsharded ``module`` (any other strategy), before ``optimizer.load_state_dict``
-    loads it by position. Other states (of a run without FSDP) are left to ``load_state_dict``, as in 1.6.5.
+def _fitting_optimizer_state(
+    module: Module, optimizer: Optimizer, opt_state: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """The state for ``optimizer.load_state_dict``, which loads by position, of the unsharded ``module`` (any
+    strategy but the fork's FSDP): a portable optimizer state (with ``"param_names"``) in the optimizer's order of
+    its groups and parameters (see :func:`_in_optimizer_order`), checked to map onto it. Other states (of a run
+    without FSDP) are left to ``load_state_dict``, as in 1.6.5.
 
     Raises:
         MisconfigurationException: if it holds a layout only ``DDPFullyShardedStrategy`` reads, or does not map.
@@ -313,15 +345,17 @@ def _check_optimizer_state_fits(module: Module, optimizer: Optimizer, opt_state:
             " fork now saves an optimizer state that any strategy loads."
         )
     if "param_names" not in opt_state or "param_groups" not in opt_state:
-        return
+        return opt_state
     names = {id(param): name for name, param in module.named_parameters()}
     expected = [
         [_PlainParameter(names.get(id(p), f"<not in the model: {tuple(p.shape)}>"), p.shape, ()) for p in g["params"]]
         for g in optimizer.param_groups
     ]
+    opt_state = _in_optimizer_order(expected, opt_state)
     mismatch = _first_mismatch(expected, opt_state)
     if mismatch is not None:
         raise _mismatch_error(optimizer, mismatch)
+    return opt_state
 
 
 def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_state: Mapping[str, Any]) -> None:
@@ -331,6 +365,7 @@ def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_sta
     and shapes) restores only the hyperparameters, with a warning."""
     layout = _portable_layout(module, optimizer)
     expected = [[layout.parameters[i] for i in indices] for indices in layout.groups]
+    opt_state = _in_optimizer_order(expected, opt_state)
     mismatch = _first_mismatch(expected, opt_state)
     if mismatch is not None:
         if _is_rank_zero_shard(module, optimizer, opt_state):

@@ -51,7 +51,7 @@ from pytorch_lightning.utilities.atomic_save import (
     _writer_host_id,
     STALE_TEMPORARY_FILE_AGE,
 )
-from pytorch_lightning.utilities.dcp_import import _import_dcp
+from pytorch_lightning.utilities.dcp_import import _import_dcp, _root_cause
 from pytorch_lightning.utilities.checkpoint_verification import (
     _check_record_of,
     _close_read_check,
@@ -247,20 +247,6 @@ def _write_dcp(state: Dict[str, Any], directory: Path, progress: bool, options: 
                 raise _root_cause(next(iter(ex.failures.values()))[0]) from None
 
 
-def _root_cause(error: BaseException) -> BaseException:
-    """The error to raise for ``error``, which DCP's save raised: torch's zip writer replaces whatever a write raised
-    (``Ctrl-C``, a ``SIGTERM`` handler's ``SystemExit``, a full disk's ``OSError``) with ``RuntimeError: ...
-    unexpected pos`` when it closes the record; Python keeps the replaced error as ``__context__``."""
-    chain = [error]
-    while chain[-1].__context__ is not None and len(chain) < 16:
-        chain.append(chain[-1].__context__)
-    for wanted in ((KeyboardInterrupt, SystemExit), MisconfigurationException, CheckpointError, OSError):
-        found = next((e for e in chain if isinstance(e, wanted)), None)
-        if found is not None:
-            return found
-    return error
-
-
 def _tensors(obj: Any) -> List[torch.Tensor]:
     found: List[torch.Tensor] = []
     apply_to_collection(obj, torch.Tensor, found.append)
@@ -393,12 +379,20 @@ def _parser() -> argparse.ArgumentParser:
         "--from", dest="source_layout", choices=["dcp"], help="dcp: SRC is a DCP directory, DST a fork checkpoint file"
     )
     parser.add_argument(
-        "--add-prefix", default="", metavar="PREFIX", help="--from dcp: put PREFIX before every parameter name"
+        "--add-prefix", metavar="PREFIX", help="dcp source: put PREFIX before every parameter name (e.g. model.)"
+    )
+    parser.add_argument(
+        "--model-key", metavar="KEY", help="dcp source: the key of the model's state ('' for the top level)"
+    )
+    parser.add_argument(
+        "--optim-key",
+        action="append",
+        metavar="KEY",
+        help="dcp source: the key of an optimizer's state (repeatable, in the LightningModule's order)",
     )
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     parser.add_argument(
         "--strip-prefix",
-        default="",
         metavar="PREFIX",
         help="safetensors: publish only the state_dict's keys under PREFIX, without it (e.g. model.)",
     )
@@ -409,7 +403,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tie",
         action="append",
-        default=[],
         metavar="KEEP=DROP",
         help="safetensors: leave out the tied weight DROP where its values equal KEEP's (repeatable)",
     )
@@ -417,24 +410,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def import_dcp(src: _PATH, dst: _PATH, force: bool = False, add_prefix: str = "") -> None:
-    """Write the DCP directory ``src`` as a fork checkpoint file ``dst`` (see
-    :mod:`~pytorch_lightning.utilities.dcp_import`); nothing is at ``dst`` until it succeeded.
+def import_dcp(
+    src: _PATH,
+    dst: _PATH,
+    force: bool = False,
+    progress: bool = True,
+    add_prefix: str = "",
+    model_key: Optional[str] = None,
+    optim_keys: Optional[Sequence[str]] = None,
+) -> None:
+    """Write the torch DCP directory ``src`` as a fork checkpoint file ``dst`` that the fork's Trainer resumes
+    (see :mod:`~pytorch_lightning.utilities.dcp_import`), one tensor at a time.
+
+    Args:
+        src: a DCP directory: the converter's ``--to dcp``, Lightning 2.x's sharded ``FSDPStrategy`` save, or
+            torchtitan's; every pickle in it is read through an allow-list, and what needs more is refused.
+        dst: the file to write; nothing is there until the conversion succeeded.
+        force: replace an existing file ``dst``.
+        progress: show a progress bar (bytes written) on stderr.
+        add_prefix: put this before every parameter name of the model and the optimizer state (``"model."``
+            for a LightningModule whose model is ``self.model``), the inverse of ``strip_prefix``.
+        model_key: the DCP key of the model's state (``""``: the model's keys are at the top level); ``None``
+            tells it from the keys.
+        optim_keys: the DCP keys of the optimizers' states, in the LightningModule's order; ``None`` tells them
+            from the keys.
 
     Raises:
-        MisconfigurationException: ``dst`` exists and ``force`` is off, or ``src`` is not a DCP directory this
-            converter reads; nothing was written.
+        MisconfigurationException: ``dst`` exists and ``force`` is off, or is a directory, or ``src`` is not a DCP
+            directory this converter reads; nothing was written.
     """
     src, dst = Path(src), Path(dst)
     if not (src / ".metadata").is_file():
         raise MisconfigurationException(f"{src} is not a DCP checkpoint directory (no `.metadata`).")
+    if dst.is_dir() and not dst.is_symlink():
+        raise MisconfigurationException(f"{dst} is a directory; `--from dcp` writes a checkpoint file.")
     if (dst.exists() or dst.is_symlink()) and not force:
         raise MisconfigurationException(f"{dst} exists; pass `--force` (`force=True`) to replace it.")
-    try:
-        _import_dcp(src, dst, add_prefix=add_prefix)
-    except CheckpointException as ex:
-        # DCP's load wraps what its steps raise (the safe planner's refusal too): raise the error itself
-        raise _root_cause(next(iter(ex.failures.values()))[0]) from None
+    _import_dcp(
+        src,
+        dst,
+        add_prefix=add_prefix,
+        model_key=model_key,
+        optim_keys=optim_keys,
+        progress_bar=lambda total: _progress_bar(total, progress),
+    )
 
 
 def _free_space(folder: Path) -> str:
@@ -449,6 +468,18 @@ def _raise_on_termination(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+#: (option, argparse destination, the one direction it applies to)
+_DIRECTION_OPTIONS = (
+    ("--strip-prefix", "strip_prefix", "--to safetensors"),
+    ("--dtype", "dtype", "--to safetensors"),
+    ("--max-shard-size", "max_shard_size", "--to safetensors"),
+    ("--tie", "tie", "--to safetensors"),
+    ("--add-prefix", "add_prefix", "--from dcp"),
+    ("--model-key", "model_key", "--from dcp"),
+    ("--optim-key", "optim_key", "--from dcp"),
+)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -458,9 +489,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
         if signum is not None
     }
+    direction = f"--from {args.source_layout}" if args.source_layout else f"--to {args.to}"
+    foreign = [
+        f"{option} applies to {only_for} only"
+        for option, dest, only_for in _DIRECTION_OPTIONS
+        if getattr(args, dest) is not None and direction != only_for
+    ]
+    if foreign:
+        parser.error(f"{'; '.join(foreign)}, not to {direction}")
     try:
         if args.source_layout == "dcp":
-            import_dcp(args.src, args.dst, force=args.force, add_prefix=args.add_prefix)
+            import_dcp(
+                args.src,
+                args.dst,
+                force=args.force,
+                progress=args.progress,
+                add_prefix=args.add_prefix or "",
+                model_key=args.model_key,
+                optim_keys=args.optim_key,
+            )
         else:
             convert_checkpoint(
                 args.src,
@@ -468,10 +515,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 to=args.to,
                 force=args.force,
                 progress=args.progress,
-                strip_prefix=args.strip_prefix,
+                strip_prefix=args.strip_prefix or "",
                 dtype=args.dtype,
                 max_shard_size=args.max_shard_size,
-                tie=args.tie,
+                tie=args.tie or (),
             )
     except MisconfigurationException as ex:
         parser.exit(2, f"{parser.prog}: error: {_one_line(ex)}\n")

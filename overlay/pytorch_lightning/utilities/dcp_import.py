@@ -1,34 +1,96 @@
 """The converter's ``--from dcp``: a torch Distributed Checkpoint directory written back as a fork checkpoint file
-that 1.6.5's Trainer resumes, one tensor at a time (see ``docs/leaving-fairscale.md``). The layout is told from the
-keys: the converter's own (``model``, ``optim``), torchtitan's (``model`` or top-level model keys, ``optimizer``
-flattened, ``train_state``) and Lightning 2.x's (``model``, ``optimizer_0..N``, ``meta.pt``). Every pickle is read
-through :mod:`~pytorch_lightning.utilities.dcp_safe_reader`.
+that 1.6.5's Trainer resumes, one tensor at a time (see ``docs/leaving-fairscale.md``).
+
+The layout is told from the keys (``model_key``/``optim_keys`` override it):
+
+- the converter's own: ``model`` and ``optim``;
+- Lightning 2.x's: ``model``, ``optimizer_0`` ... ``optimizer_N`` and ``meta.pt`` beside them (loops, callbacks,
+  epoch, step, schedulers, read through the fork's safe loader);
+- torchtitan's: the model's keys at the top level (or ``model``), ``optimizer`` flattened
+  (``flatten_optimizer_state_dict=True``: per-parameter hyperparameters), ``train_state`` (``step``), and
+  ``lr_scheduler``/``dataloader``, which 1.6.5 has no place for.
+
+The model is every tensor entry outside the optimizers' and those known keys. The optimizer state is the fork's: by
+index, with ``param_names``, indices given in the order of the model's keys in ``.metadata``; the fork's resume
+matches the names to the LightningModule's parameters (see
+:func:`~pytorch_lightning.strategies.fsdp_portable_optimizer_state._fitting_optimizer_state`). Flattened groups are
+rebuilt from the per-parameter hyperparameters, identical ones merged. Every pickle is read through
+:mod:`~pytorch_lightning.utilities.dcp_safe_reader`.
 """
 # fork-feature: fork/checkpoint-converter.patch
 import re
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from tqdm import tqdm
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.cloud_io import load as pl_load
 from pytorch_lightning.utilities.dcp_safe_reader import _SafeFileSystemReader, _SafeLoadPlanner
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
 
+#: top-level keys of torchtitan's that are neither the model nor the optimizer: 1.6.5 has no place for them
+NOT_MODEL_KEYS = ("train_state", "lr_scheduler", "dataloader")
 
-def _load_one(src: Path, key: str, value: Any) -> Any:
-    """The entry ``key`` of the DCP directory ``src``, read into ``value`` (a tensor of its shape and dtype, or any
-    placeholder for a non-tensor entry) through the safe reader."""
-    state = {key: value}
-    # flat keys as they are, and the entries loaded into this very dict (a non-tensor entry is set, not copied into)
-    planner = _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.load(state, storage_reader=_SafeFileSystemReader(str(src)), planner=planner, no_dist=True)
-    return state[key]
+
+class _DcpDirectory:
+    """A DCP directory read through the safe reader: its ``.metadata`` once, then the entries asked for."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reader = _SafeFileSystemReader(str(path))
+        self.entries = self.reader.read_metadata().state_dict_metadata
+
+    def load(self, values: Dict[str, Any]) -> Dict[str, Any]:
+        """Load the entries named by the keys of ``values`` (a tensor of the entry's shape and dtype, or ``None``
+        for a non-tensor entry) in one ``dcp.load``, and return them.
+
+        Raises:
+            MisconfigurationException: the directory's files cannot be read (missing, truncated) or an entry needs
+                more than plain values to unpickle.
+        """
+        # flat keys as they are, the entries loaded into this very dict (a non-tensor entry is set, not copied into)
+        planner = _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        try:
+            with warnings.catch_warnings():
+                # one process reads every entry: ``no_dist=True`` is meant
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+                dcp.load(values, storage_reader=self.reader, planner=planner, no_dist=True)
+        except CheckpointException as ex:
+            cause = _root_cause(next(iter(ex.failures.values()))[0])
+            if isinstance(cause, (KeyboardInterrupt, SystemExit, MisconfigurationException)):
+                raise cause from None
+            raise MisconfigurationException(
+                f"{self.path} cannot be read: {', '.join(list(values)[:3])}: {type(cause).__name__}:"
+                f" {' '.join(str(cause).split())}"
+            ) from cause
+        return values
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The error to raise for ``error``, which DCP's save or load raised (DCP wraps whatever its steps raise in
+    ``CheckpointException``): torch's zip writer replaces whatever a write raised (``Ctrl-C``, a ``SIGTERM``
+    handler's ``SystemExit``, a full disk's ``OSError``) with ``RuntimeError: ... unexpected pos`` when it closes the
+    record; Python keeps the replaced error as ``__context__``."""
+    chain = [error]
+    while chain[-1].__context__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__context__)
+    for wanted in ((KeyboardInterrupt, SystemExit), MisconfigurationException, CheckpointError, OSError):
+        found = next((e for e in chain if isinstance(e, wanted)), None)
+        if found is not None:
+            return found
+    return error
+
+
+def _head(key: str) -> str:
+    return key.split(".", 1)[0]
 
 
 def _fake(meta: TensorStorageMetadata) -> torch.Tensor:
@@ -38,111 +100,235 @@ def _fake(meta: TensorStorageMetadata) -> torch.Tensor:
         return torch.empty(meta.size, dtype=meta.properties.dtype)
 
 
-def _optimizer_layout(
-    src: Path, entries: Dict[str, Any], names: List[str], optim_key: str, prefix: str
-) -> Tuple[Dict[str, Any], Dict[Tuple[int, str], str]]:
-    """The fork's optimizer state (by index in the order of the model keys, with ``param_names``) of the entries under
-    ``optim_key``, its tensors left as placeholders: returns it and, for each ``(index, state key)``, the DCP key it
-    comes from. The groups are either indexed (``<optim>.param_groups.<i>.<hyperparameter>``, with ``params`` the
-    names), or flattened per parameter (``flatten_optimizer_state_dict=True``: ``<optim>.param_groups.<name>.<hp>``),
-    rebuilt then from the per-parameter hyperparameters, identical ones merged, in the order of the model keys."""
-    group_prefix, state_prefix = f"{optim_key}.param_groups.", f"{optim_key}.state."
-    indexed: Dict[int, Dict[str, Any]] = {}
-    per_name: Dict[str, Dict[str, Any]] = {}
-    for key, meta in entries.items():
-        if key.startswith(group_prefix) and isinstance(meta, BytesStorageMetadata):
-            head, hyperparameter = key[len(group_prefix) :].rsplit(".", 1)
-            value = _load_one(src, key, None)
-            if head.isdigit():
-                indexed.setdefault(int(head), {})[hyperparameter] = value
-            else:
-                per_name.setdefault(head, {})[hyperparameter] = value
-    groups = [group for _, group in sorted(indexed.items())]
+def _empty(meta: Any) -> Optional[torch.Tensor]:
+    """What ``dcp.load`` loads an entry into: a tensor of its shape and dtype, or ``None`` (a non-tensor entry)."""
+    if isinstance(meta, TensorStorageMetadata):
+        return torch.empty(meta.size, dtype=meta.properties.dtype)
+    return None
+
+
+def _is_indexed(entries: Dict[str, Any], optim_key: str) -> bool:
+    # ``optimizer.state_dict()``'s groups, each with ``params`` (names); else flattened per parameter
+    return any(re.fullmatch(re.escape(optim_key) + r"\.param_groups\.[0-9]+\.params", key) for key in entries)
+
+
+def _small_entries(entries: Dict[str, Any], optim_keys: Sequence[str]) -> List[str]:
+    """The entries read whole before the tensors are streamed: the groups, non-tensor optimizer state, the step."""
+    heads = tuple(f"{k}.param_groups." for k in optim_keys)
+    states = tuple(f"{k}.state." for k in optim_keys)
+    return [
+        key
+        for key, meta in entries.items()
+        if key.startswith(heads) or key == "train_state.step" or (key.startswith(states) and _is_bytes(meta))
+    ]
+
+
+def _is_bytes(meta: Any) -> bool:
+    return isinstance(meta, BytesStorageMetadata)
+
+
+def _optimizer_names(entries: Dict[str, Any], small: Dict[str, Any], optim_key: str) -> List[str]:
+    """The parameter names the optimizer ``optim_key`` holds."""
+    if _is_indexed(entries, optim_key):
+        prefix = f"{optim_key}.param_groups."
+        return [name for key, value in small.items() if key.startswith(prefix) and key.endswith(".params")
+                for name in value]
+    names: Dict[str, None] = {}
+    for part in ("param_groups", "state"):
+        prefix = f"{optim_key}.{part}."
+        names.update({key[len(prefix) :].rsplit(".", 1)[0]: None for key in entries if key.startswith(prefix)})
+    return list(names)
+
+
+def _optim_keys(entries: Dict[str, Any], optim_keys: Optional[Sequence[str]]) -> List[str]:
+    """The optimizers' keys, as given, or every top-level key with ``param_groups`` under it: ``optimizer_0`` ...
+    ``optimizer_N`` (Lightning 2.x's) by number, ``optim`` (the converter's), ``optimizer`` (torchtitan's)."""
+    heads = list(dict.fromkeys(_head(key) for key in entries))
+    if optim_keys is None:
+        found = [h for h in heads if any(key.startswith(f"{h}.param_groups.") for key in entries)]
+        numbered = [h for h in found if re.fullmatch(r"optimizer_[0-9]+", h)]
+        optim_keys = sorted(numbered, key=lambda h: int(h[10:])) + [h for h in found if h not in numbered]
+    for key in optim_keys:
+        if not any(k.startswith(f"{key}.param_groups.") for k in entries):
+            raise MisconfigurationException(
+                f"The DCP checkpoint holds no optimizer state under {key!r} (its top-level keys: {', '.join(heads)})."
+            )
+    return list(optim_keys)
+
+
+def _detect_model_key(entries: Dict[str, Any], small: Dict[str, Any], optim_keys: List[str]) -> str:
+    tensors = [key for key, meta in entries.items() if not _is_bytes(meta)]
+    candidates = [key for key in tensors if _head(key) not in (*optim_keys, *NOT_MODEL_KEYS)]
+    if not candidates or not all(key.startswith("model.") for key in candidates):
+        return ""
+    # all under ``model.``: the converter's and Lightning 2.x's ``model``, or a top-level model whose one child is
+    # named ``model``: the optimizers' names tell which
+    named = {name for key in optim_keys for name in _optimizer_names(entries, small, key)}
+    if named and named <= set(candidates) and not named <= {key[len("model.") :] for key in candidates}:
+        return ""
+    return "model"
+
+
+def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether two groups' hyperparameters are equal (a tensor ``lr`` equal in dtype and value)."""
+
+    def equal(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and (
+                torch.equal(x, y)
+            )
+        return type(x) is type(y) and x == y
+
+    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+
+
+def _groups(
+    entries: Dict[str, Any], small: Dict[str, Any], optim_key: str, names: List[str]
+) -> List[Tuple[Dict[str, Any], List[str]]]:
+    """The optimizer's groups as (hyperparameters, parameter names). Flattened ones are rebuilt from each
+    parameter's hyperparameters, identical ones merged, in the order of the model's keys."""
+    prefix = f"{optim_key}.param_groups."
+    by_head: Dict[str, Dict[str, Any]] = {}
+    for key in entries:
+        if key.startswith(prefix):
+            head, hyperparameter = key[len(prefix) :].rsplit(".", 1)
+            by_head.setdefault(head, {})[hyperparameter] = small[key]
+    if _is_indexed(entries, optim_key):
+        indexed = sorted(by_head.items(), key=lambda item: int(item[0]))
+        return [({k: v for k, v in g.items() if k != "params"}, list(g.get("params", []))) for _, g in indexed]
+    groups: List[Tuple[Dict[str, Any], List[str]]] = []
     for name in names:
-        if name in per_name:
-            same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == per_name[name]), None)
+        if name in by_head:
+            same = next((g for g in groups if _same(g[0], by_head[name])), None)
             if same is None:
-                groups.append(dict(per_name[name], params=[]))
+                groups.append((by_head[name], []))
                 same = groups[-1]
-            same["params"].append(name)
-    in_groups = {name for group in groups for name in group.get("params", [])}
-    unknown = sorted(in_groups - set(names))
+            same[1].append(name)
+    return groups
+
+
+def _optimizer_state(
+    entries: Dict[str, Any], small: Dict[str, Any], optim_key: str, names: List[str], prefix: str
+) -> Tuple[Dict[str, Any], Dict[Tuple[int, str], str]]:
+    """The fork's optimizer state of the entries under ``optim_key`` (by index in the order of the model's keys
+    ``names``, with ``param_names``), its tensors left as placeholders: returns it and, for each
+    ``(index, state key)`` of a tensor, the DCP key it comes from."""
+    groups = _groups(entries, small, optim_key, names)
+    in_groups = [name for _, members in groups for name in members]
+    unknown = [name for name in in_groups if name not in set(names)]
     if unknown:
-        raise MisconfigurationException(f"The optimizer names parameters the model does not have: {unknown[:5]}.")
-    ordered = [name for name in names if name in in_groups]
+        raise MisconfigurationException(
+            f"The optimizer state under {optim_key!r} names parameters the model does not have: {unknown[:5]} (the"
+            f" model's first: {names[:3]}). Pass `--model-key` (`model_key`) if the model is under another key."
+        )
+    ordered = [name for name in names if name in set(in_groups)]
     index_of = {name: index for index, name in enumerate(ordered)}
     state: Dict[int, Dict[str, Any]] = {}
     sources: Dict[Tuple[int, str], str] = {}
+    state_prefix = f"{optim_key}.state."
     for key, meta in entries.items():
-        if not key.startswith(state_prefix) or not isinstance(meta, TensorStorageMetadata):
+        if not key.startswith(state_prefix):
             continue
         name, state_key = key[len(state_prefix) :].rsplit(".", 1)
         if name not in index_of:
             raise MisconfigurationException(f"{key}: the optimizer's groups do not hold {name!r}.")
-        state.setdefault(index_of[name], {})[state_key] = _fake(meta)
-        sources[(index_of[name], state_key)] = key
-    param_groups = [dict(group, params=[index_of[name] for name in group.get("params", [])]) for group in groups]
+        if _is_bytes(meta):
+            state.setdefault(index_of[name], {})[state_key] = small[key]
+        else:
+            state.setdefault(index_of[name], {})[state_key] = _fake(meta)
+            sources[(index_of[name], state_key)] = key
+    param_groups = [dict(hyperparameters, params=[index_of[n] for n in members]) for hyperparameters, members in groups]
     layout = {"state": state, "param_groups": param_groups, "param_names": [prefix + name for name in ordered]}
     return layout, sources
 
 
-def _layout_keys(entries: Dict[str, Any]) -> Tuple[str, List[str]]:
-    """The model's and the optimizers' keys of a DCP directory: ``model`` (or ``""``: the model's keys at the top
-    level, torchtitan's alternative), and ``["optim"]`` (this converter's), ``["optimizer"]`` (torchtitan's),
-    ``["optimizer_0", ..., "optimizer_N"]`` (Lightning 2.x's) or ``[]``."""
-    model_key = "model" if any(k.startswith("model.") for k in entries) else ""
-    heads = {key.split(".", 1)[0] for key in entries}
-    numbered = sorted((h for h in heads if re.fullmatch(r"optimizer_[0-9]+", h)), key=lambda h: int(h.split("_")[1]))
-    optim_keys = numbered or [k for k in ("optim", "optimizer") if k in heads][:1]
-    return model_key, optim_keys
-
-
-def _import_dcp(src: Path, dst: Path, add_prefix: str = "") -> None:
-    """Write the DCP directory ``src`` (the converter's layout, torchtitan's, or Lightning 2.x's with ``meta.pt``) as
-    a fork checkpoint file at ``dst``."""
-    metadata = _SafeFileSystemReader(str(src)).read_metadata()
-    entries = metadata.state_dict_metadata
-    model_key, optim_keys = _layout_keys(entries)
-    others = tuple(f"{key}." for key in optim_keys) + ("train_state.",)
-    if model_key:
-        model = {k[len("model.") :]: m for k, m in entries.items() if k.startswith("model.")}
-    else:
-        model = {k: m for k, m in entries.items() if not k.startswith(others)}
-    step = entries.get("train_state.step")
-    if not model or not all(isinstance(m, TensorStorageMetadata) for m in model.values()):
-        raise MisconfigurationException(f"{src} holds no `model` of tensors (keys: {', '.join(list(entries)[:5])}).")
-    state_dict = {add_prefix + name: _fake(meta) for name, meta in model.items()}
-    pending = {add_prefix + name: f"{model_key}.{name}" if model_key else name for name in model}
-    global_step = int(_load_one(src, "train_state.step", None)) if isinstance(step, BytesStorageMetadata) else 0
+def _import_dcp(
+    src: Path,
+    dst: Path,
+    add_prefix: str = "",
+    model_key: Optional[str] = None,
+    optim_keys: Optional[Sequence[str]] = None,
+    progress_bar: Callable[[int], tqdm] = lambda total: tqdm(total=total, disable=True),
+) -> None:
+    """Write the DCP directory ``src`` as a fork checkpoint file at ``dst`` (see the module's docstring); the
+    bar ``progress_bar(bytes)`` counts the bytes of the tensors written."""
+    directory = _DcpDirectory(src)
+    entries = directory.entries
+    optim_keys = _optim_keys(entries, optim_keys)
+    small = directory.load({key: _empty(entries[key]) for key in _small_entries(entries, optim_keys)})
+    if model_key is None:
+        model_key = _detect_model_key(entries, small, optim_keys)
+    used = {key for key in entries if _head(key) in optim_keys}
+    model_prefix = f"{model_key}." if model_key else ""
+    model = {
+        key[len(model_prefix) :]: key
+        for key, meta in entries.items()
+        if key.startswith(model_prefix) and not _is_bytes(meta) and key not in used
+        and (model_key or _head(key) not in NOT_MODEL_KEYS)
+    }
+    if not model:
+        raise MisconfigurationException(
+            f"{src} holds no model tensors under {model_key or 'its top level'!r} (its top-level keys:"
+            f" {', '.join(dict.fromkeys(_head(key) for key in entries))})."
+        )
+    used |= set(model.values())
+    names = list(model)
+    state_dict = {add_prefix + name: _fake(entries[key]) for name, key in model.items()}
+    placeholders = [(state_dict[add_prefix + name], key) for name, key in model.items()]
+    step = small.get("train_state.step")
     checkpoint: Dict[str, Any] = {
         "epoch": 0,
-        "global_step": global_step,
+        "global_step": int(step) if step is not None else 0,
         "pytorch-lightning_version": pl.__version__,
         "state_dict": state_dict,
         "optimizer_states": [],
         "lr_schedulers": [],
     }
-    placeholders = [(state_dict[name], key) for name, key in pending.items()]
+    used |= {"train_state.step"} & set(entries)
     for optim_key in optim_keys:
-        layout, sources = _optimizer_layout(src, entries, list(model), optim_key, add_prefix)
-        checkpoint["optimizer_states"].append(layout)
-        placeholders += [(layout["state"][index][state_key], key) for (index, state_key), key in sources.items()]
-    meta = src / "meta.pt"
-    if meta.is_file():
+        state, sources = _optimizer_state(entries, small, optim_key, names, add_prefix)
+        checkpoint["optimizer_states"].append(state)
+        placeholders += [(state["state"][index][state_key], key) for (index, state_key), key in sources.items()]
+    extra: Dict[str, Any] = {}
+    if (src / "meta.pt").is_file():
         # Lightning 2.x's: the rest of its checkpoint (loops, callbacks, epoch, step, schedulers), through the fork's
         # safe loader; its loops and callbacks are mapped to 1.6.5's when the file is resumed
-        extra = pl_load(str(meta), map_location="cpu")
+        extra = pl_load(str(src / "meta.pt"), map_location="cpu")
         checkpoint.update({k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")})
-    fresh = [key for key in ("loops", "callbacks", "lr_schedulers") if not checkpoint.get(key)]
-    if fresh:
-        rank_zero_warn(
-            f"{src} holds no Lightning {', '.join(fresh)}: they start fresh (epoch {checkpoint['epoch']}, step"
-            f" {checkpoint['global_step']})."
-        )
-    with _StreamedCheckpointFile(dst) as writer:
+    _warn_what_starts_fresh(src, checkpoint, extra, _left_out(entries, used))
+    with progress_bar(sum(p.nbytes for p, _ in placeholders)) as bar, _StreamedCheckpointFile(dst) as writer:
         writer.write_skeleton(checkpoint, [placeholder for placeholder, _ in placeholders])
         for placeholder, key in placeholders:
-            values = _load_one(src, key, torch.empty(placeholder.shape, dtype=placeholder.dtype))
+            values = directory.load({key: torch.empty(placeholder.shape, dtype=placeholder.dtype)})[key]
             writer.write(placeholder, values)
+            bar.update(values.nbytes)
             del values
         writer.complete = True
+
+
+def _left_out(entries: Dict[str, Any], used: set) -> List[str]:
+    """The entries not converted, a top-level key with nothing converted as ``key.*``."""
+    heads: Dict[str, List[str]] = {}
+    for key in entries:
+        heads.setdefault(_head(key), []).append(key)
+    left: List[str] = []
+    for head, keys in heads.items():
+        unused = [key for key in keys if key not in used]
+        left += [f"{head}.*" if key != head else head for key in unused[:1]] if len(unused) == len(keys) else unused
+    return left if len(left) <= 8 else left[:8] + [f"and {len(left) - 8} more"]
+
+
+def _warn_what_starts_fresh(src: Path, checkpoint: Dict[str, Any], extra: Dict[str, Any], left_out: List[str]) -> None:
+    fresh = [] if checkpoint["optimizer_states"] else ["the optimizer state"]
+    named = (("loops", "the loops"), ("callbacks", "the callbacks' state"))
+    fresh += [what for key, what in named if key not in checkpoint]
+    if "lr_schedulers" not in extra:
+        fresh.append("a configured learning-rate scheduler")
+    if not fresh and not left_out:
+        return
+    message = f"{src}: the file resumes at epoch {checkpoint['epoch']}, global step {checkpoint['global_step']}"
+    if fresh:
+        message += f"; starting fresh (not in the directory): {', '.join(fresh)}"
+    if left_out:
+        message += f"; left out (1.6.5 has no place for them): {', '.join(left_out)}"
+    rank_zero_warn(message + ".")
