@@ -17,10 +17,17 @@ directory, or the model weights into safetensors shards) and measures the extra 
 - ``converter-safetensors``: ``convert_checkpoint(SRC, DST, to="safetensors", dtype="bfloat16")``, the model weights
   published in bf16 (each tensor converted), in shards of ``--shard-mb``;
 - ``by-hand-safetensors``: what a user writes with ``huggingface_hub``: ``torch.load(mmap=True)``, each weight
-  converted to bf16, then ``huggingface_hub.save_torch_state_dict`` with the same shard size.
+  converted to bf16, then ``huggingface_hub.save_torch_state_dict`` with the same shard size;
+- ``converter-from-dcp``: ``import_dcp(DCP, DST)``, what ``--from dcp`` runs, from the DCP directory the converter
+  wrote of the file (``source.dcp``, written once before the methods run). Its placeholders are fake tensors, as the
+  fork's streamed FSDP save makes them: the first fake tensor of a process costs a fixed amount of memory (torch's
+  lazily built dispatch state, whatever the size), measured apart (``init_mb``) before the conversion is;
+- ``by-hand-from-dcp``: torch's ``dcp_to_torch_save(DCP, DST)``, which loads the whole state before it saves it (its
+  file holds DCP's keys, not a checkpoint 1.6.5 resumes: the peer in memory only).
 
 Reported per method: peak extra anonymous memory (what cannot be reclaimed), mapped file pages (the memory-mapped
-source: page cache, reclaimable), wall time, against the file size and the largest tensor. Exits non-zero when the
+source: page cache, reclaimable), wall time, against the file size and the largest tensor, and the fixed cost measured
+before the conversion (``init_mb``: the first fake tensor, ``converter-from-dcp`` only). Exits non-zero when the
 converter's peak extra anonymous memory exceeds twice the largest tensor plus 16 MiB.
 """
 import argparse
@@ -39,7 +46,9 @@ from fsdp_harness.memory_sampler import MIB  # noqa: E402
 from fsdp_harness.multiprocess import run_module  # noqa: E402
 
 MODULE = "fsdp_benchmarks.convert_memory"
-METHODS = ["converter", "by-hand", "converter-safetensors", "by-hand-safetensors"]
+METHODS = [
+    "converter", "by-hand", "converter-safetensors", "by-hand-safetensors", "converter-from-dcp", "by-hand-from-dcp"
+]
 SLACK_MB = 16
 OPTIMIZER_KEYS = {"adam": ["exp_avg", "exp_avg_sq"], "sgd": ["momentum_buffer"]}
 
@@ -71,11 +80,23 @@ def write_checkpoint(path: Path, size_mb: float, units: int, optimizer: str) -> 
     return {"file_mb": path.stat().st_size / MIB, "largest_tensor_mb": largest / MIB, "width": width}
 
 
+def write_dcp_source(src: Path, directory: Path) -> None:
+    """The DCP directory of the file, as the converter writes it: the source of the ``-from-dcp`` methods."""
+    import warnings
+
+    from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert_checkpoint(src, directory, to="dcp", progress=False)
+
+
 def measure(method: str, src: Path, dst: Path, shard_mb: float) -> Dict[str, Any]:
     """One conversion in this process, measured."""
     from fsdp_harness.memory_sampler import PeakMemory
 
     shard_bytes = int(shard_mb * MIB)
+    init_mb = 0.0
     if method == "converter":
         from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint
 
@@ -88,6 +109,22 @@ def measure(method: str, src: Path, dst: Path, shard_mb: float) -> Dict[str, Any
             convert_checkpoint(
                 src, dst, to="safetensors", dtype="bfloat16", max_shard_size=str(shard_bytes), progress=False
             )
+    elif method == "converter-from-dcp":
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from pytorch_lightning.utilities.convert_checkpoint import import_dcp
+
+        with PeakMemory() as first_fake_tensor, FakeTensorMode():
+            torch.empty(1)
+        init_mb = first_fake_tensor.result()["peak_extra_mb"]
+        with PeakMemory() as meter:
+            import_dcp(src, dst, progress=False)
+    elif method == "by-hand-from-dcp":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with PeakMemory() as meter:
+            dcp_to_torch_save(src, dst)
     elif method == "by-hand-safetensors":
         import torch
         from huggingface_hub import save_torch_state_dict
@@ -110,22 +147,27 @@ def measure(method: str, src: Path, dst: Path, shard_mb: float) -> Dict[str, Any
             state = {"model": checkpoint["state_dict"], "optim": optim}
             dcp.save(state, checkpoint_id=str(dst), no_dist=True)
             del checkpoint, state, optim
-    return {"method": method, **meter.result()}
+    return {"method": method, **meter.result(), "init_mb": init_mb}
 
 
 def run(args: argparse.Namespace, folder: Path) -> List[Dict[str, Any]]:
     src = folder / "source.ckpt"
     info = write_checkpoint(src, args.size_mb, args.units, args.optimizer)
+    methods = args.methods.split(",")
+    if any(method.endswith("-from-dcp") for method in methods):
+        write_dcp_source(src, folder / "source.dcp")
     results = []
-    for method in args.methods.split(","):
+    for method in methods:
         out = folder / f"{method}.json"
-        argv = ["--measure", method, "--src", str(src), "--dst", str(folder / f"{method}.out"), "--result", str(out)]
+        source = folder / "source.dcp" if method.endswith("-from-dcp") else src
+        argv = ["--measure", method, "--src", str(source), "--dst", str(folder / f"{method}.out"), "--result", str(out)]
         argv += ["--shard-mb", str(args.shard_mb)]
         launched = run_module(MODULE, argv, timeout=args.timeout, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
         if launched.returncode != 0 or not out.exists():
             raise SystemExit(f"{method} failed (exit code {launched.returncode}):\n{launched.output[-4000:]}")
         results.append({**json.loads(out.read_text()), **info})
-        shutil.rmtree(folder / f"{method}.out", ignore_errors=True)
+        output = folder / f"{method}.out"
+        shutil.rmtree(output, ignore_errors=True) if output.is_dir() else output.unlink(missing_ok=True)
     bound = 2 * info["largest_tensor_mb"] + SLACK_MB
     for result in results:
         result["bound_mb"] = bound
@@ -138,12 +180,13 @@ def table(results: List[Dict[str, Any]]) -> str:
     lines = [
         f"file {first['file_mb']:.1f} MiB, largest tensor {first['largest_tensor_mb']:.1f} MiB; converter bound"
         f" {first['bound_mb']:.1f} MiB (2 x largest tensor + {SLACK_MB} MiB)",
-        f"{'method':<21} {'extra anon MiB':>15} {'x file':>7} {'mapped file MiB':>16} {'seconds':>8}  ok",
+        f"{'method':<21} {'extra anon MiB':>15} {'x file':>7} {'mapped file MiB':>16} {'seconds':>8} {'init MiB':>9}"
+        "  ok",
     ]
     for r in results:
         lines.append(
             f"{r['method']:<21} {r['peak_extra_mb']:>15.1f} {r['peak_extra_mb'] / r['file_mb']:>7.2f}"
-            f" {r['peak_extra_file_mb']:>16.1f} {r['seconds']:>8.2f}  {'yes' if r['ok'] else 'NO'}"
+            f" {r['peak_extra_file_mb']:>16.1f} {r['seconds']:>8.2f} {r['init_mb']:>9.1f}  {'yes' if r['ok'] else 'NO'}"
         )
     return "\n".join(lines)
 

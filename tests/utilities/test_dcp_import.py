@@ -314,8 +314,9 @@ def test_model_key_and_optim_key_override_the_detection(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
 def test_the_command_line_refuses_what_does_not_apply_and_a_broken_source(source, tmp_path, capsys):  # noqa: F811
-    """Each direction's options are refused in the other; a directory is never replaced by the file; a source whose
-    data file is missing is refused (exit 2), not taken for a failed write; nothing is written."""
+    """Each direction's options are refused in the other; a directory is never replaced by the file; a URL is
+    refused (object storage for the converter is not supported yet); a source whose data file is missing is refused
+    (exit 2), not taken for a failed write; nothing is written."""
     convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
     (tmp_path / "folder").mkdir()
     dcp_argv = [str(tmp_path / "ckpt.dcp"), str(tmp_path / "back.ckpt"), "--from", "dcp"]
@@ -324,6 +325,8 @@ def test_the_command_line_refuses_what_does_not_apply_and_a_broken_source(source
         ([*dcp_argv, "--tie", "a=b"], "--tie applies to --to safetensors only"),
         ([str(source), str(tmp_path / "d"), "--to", "dcp", "--add-prefix", "x."], "--add-prefix applies to --from"),
         ([str(tmp_path / "ckpt.dcp"), str(tmp_path / "folder"), "--from", "dcp", "--force"], "is a directory"),
+        (["s3://bucket/run/step-10", str(tmp_path / "back.ckpt"), "--from", "dcp"], "s3://bucket/run/step-10 is a URL"),
+        ([str(tmp_path / "ckpt.dcp"), "s3://bucket/back.ckpt", "--from", "dcp"], "reads and writes local paths only"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

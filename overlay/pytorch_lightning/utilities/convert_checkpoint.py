@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 import torch.distributed.checkpoint as dcp
+from fsspec.utils import get_protocol
 from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
 from tqdm import tqdm
 
@@ -51,6 +52,7 @@ from pytorch_lightning.utilities.atomic_save import (
     _writer_host_id,
     STALE_TEMPORARY_FILE_AGE,
 )
+from pytorch_lightning.utilities.checkpoint_location import _redacted
 from pytorch_lightning.utilities.dcp_import import _import_dcp, _root_cause
 from pytorch_lightning.utilities.checkpoint_verification import (
     _check_record_of,
@@ -111,7 +113,7 @@ def convert_checkpoint(
         CheckpointError: a record of ``src`` does not match its CRC-32 (``PL_CHECKPOINT_VERIFY=0`` skips the check,
             see :mod:`~pytorch_lightning.utilities.checkpoint_verification`); nothing was written.
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = _local_paths(src, dst)
     if to not in FORMATS:
         raise MisconfigurationException(f"Unknown target layout {to!r}; known: {', '.join(FORMATS)}.")
     options = _Options(strip_prefix, dtype, max_shard_size, tuple(tie))
@@ -140,6 +142,21 @@ def convert_checkpoint(
         shutil.rmtree(work, ignore_errors=True)
         _close_read_check(check)
         raise
+
+
+def _local_paths(*paths: _PATH) -> Tuple[Path, ...]:
+    """``paths`` as local paths.
+
+    Raises:
+        MisconfigurationException: if one is a URL: the converter reads and writes local files only.
+    """
+    remote = [str(path) for path in paths if get_protocol(str(path)) not in ("file", "local")]
+    if remote:
+        raise MisconfigurationException(
+            f"{_redacted(remote[0])} is a URL: the converter reads and writes local paths only (object storage for it"
+            " is not supported yet). Copy the checkpoint to a local disk, convert it there, and upload the result."
+        )
+    return tuple(Path(str(path)[len("file://") :] if str(path).startswith("file://") else path) for path in paths)
 
 
 def _load(src: Path) -> Any:
@@ -370,9 +387,9 @@ def _parser() -> argparse.ArgumentParser:
         " interrupted (SIGINT, SIGTERM). On failure nothing is written.",
     )
     parser.add_argument(
-        "src", type=Path, help="the checkpoint file (Trainer.save_checkpoint); --from dcp: the DCP directory"
+        "src", help="the checkpoint file (Trainer.save_checkpoint); --from dcp: the DCP directory"
     )
-    parser.add_argument("dst", type=Path, help="the path to write")
+    parser.add_argument("dst", help="the path to write")
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=sorted(FORMATS), help="the target layout")
     direction.add_argument(
@@ -439,7 +456,7 @@ def import_dcp(
         MisconfigurationException: ``dst`` exists and ``force`` is off, or is a directory, or ``src`` is not a DCP
             directory this converter reads; nothing was written.
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = _local_paths(src, dst)
     if not (src / ".metadata").is_file():
         raise MisconfigurationException(f"{src} is not a DCP checkpoint directory (no `.metadata`).")
     if dst.is_dir() and not dst.is_symlink():
@@ -529,7 +546,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.exit(
             1,
             f"{parser.prog}: error: writing {args.dst} failed; nothing was written: {type(ex).__name__}:"
-            f" {_one_line(ex)} ({_free_space(args.dst.parent)} free on its filesystem)\n",
+            f" {_one_line(ex)} ({_free_space(Path(args.dst).parent)} free on its filesystem)\n",
         )
     except KeyboardInterrupt:
         parser.exit(128 + signal.SIGINT, f"{parser.prog}: interrupted; nothing was written\n")
