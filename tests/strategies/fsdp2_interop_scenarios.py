@@ -248,7 +248,7 @@ def _back_from_fsdp2(
     resumed = _resumes(args, optimizer, ("fsdp", "ddp"))
     for layout, case in cases.items():
         case["resumed"] = resumed[layout]
-    return cases
+    return {**cases, "stepped": resumed["stepped"]}
 
 
 def _sorted_groups(portable: Dict[str, Any]) -> Dict[str, Any]:
@@ -265,30 +265,50 @@ def _strategy(name: str) -> Any:
 def _resumes(args: argparse.Namespace, optimizer: str, strategies: Tuple[str, ...]) -> Dict[str, Any]:
     """Each converted file in ``args.out`` resumed by each strategy on these ranks, up to its own global step (no
     training step), and saved again: the saved parameters and optimizer state equal the file's (by name, bit for
-    bit), so the resume restored them all. Collective; the result is global rank 0's."""
-    result: Dict[str, Any] = {}
-    names = [name for name, p in _plain(optimizer)[0].named_parameters() if p.requires_grad]
+    bit), so the resume restored them all. Then the ``replicated`` file resumed for one training step more by each
+    strategy: the states after that step equal the first strategy's (``stepped``, within float rounding: the
+    strategies reduce the gradients in their own ways). Collective; the result is global rank 0's."""
+    result: Dict[str, Any] = {"stepped": {}}
     for layout in LAYOUTS:
         path = args.out / f"{optimizer}.{layout}.back.ckpt"
         result[layout] = {}
         for name in strategies:
-            resaved = args.out / f"{optimizer}.{layout}.{name}.{args.devices}.ckpt"
-            step = _read(path)["global_step"]
-            kwargs = quiet_trainer_kwargs(args.out, args.devices, strategy=_strategy(name), max_steps=step)
-            trainer = Trainer(**kwargs)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*max_steps|.*num_workers|.*does not have many workers")
-                trainer.fit(_model(optimizer), ckpt_path=str(path))
-            trainer.save_checkpoint(resaved)
+            resumed = _resume(args, optimizer, path, name, more_steps=0)
             if global_rank() == 0:
-                again = _read(resaved)
-                state = again["optimizer_states"][0]
-                # DDP and one device save the optimizer's own state, by index in the model's order
-                named = named_optimizer_state(state, state.get("param_names", names))
-                resumed = {"model": again["state_dict"], "optim": named}
-                compared = _compare(_sorted_groups(_portable(_read(path))), _sorted_groups(resumed))
-                result[layout][name] = {**compared, "step": trainer.global_step}
+                result[layout][name] = _compare(_sorted_groups(_portable(_read(path))), _sorted_groups(resumed))
+    path = args.out / f"{optimizer}.replicated.back.ckpt"
+    before = _portable(_read(path))
+    first = _resume(args, optimizer, path, strategies[0], more_steps=1)
+    for name in strategies[1:]:
+        other = _resume(args, optimizer, path, name, more_steps=1)
+        if global_rank() == 0:
+            result["stepped"][name] = {
+                "max_diff": max(float((a.double() - b.double()).abs().max()) for a, b in _pairs(first, other)),
+                "compared": len(_pairs(first, other)),
+                "moved": max(float((a.double() - b.double()).abs().max()) for a, b in _pairs(first, before)),
+            }
     return result
+
+
+def _resume(args: argparse.Namespace, optimizer: str, path: Path, strategy: str, more_steps: int) -> Dict[str, Any]:
+    """The state that ``strategy`` saves after resuming ``path`` and training ``more_steps`` steps, named (global
+    rank 0's; collective)."""
+    resaved = args.out / f"{path.name}.{strategy}.{args.devices}.{more_steps}.ckpt"
+    step = _read(path)["global_step"] + more_steps
+    # the model's own sequential loader under every strategy: the same batches on one device as on one FSDP rank
+    kwargs = dict(strategy=_strategy(strategy), max_steps=step, replace_sampler_ddp=False)
+    trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, **kwargs))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*max_steps|.*num_workers|.*does not have many workers")
+        trainer.fit(_model(optimizer), ckpt_path=str(path))
+    trainer.save_checkpoint(resaved)
+    if global_rank() != 0:
+        return {}
+    again = _read(resaved)
+    state = again["optimizer_states"][0]
+    # DDP and one device save the optimizer's own state, by index in the model's order
+    names = [name for name, p in _plain(optimizer)[0].named_parameters() if p.requires_grad]
+    return {"model": again["state_dict"], "optim": named_optimizer_state(state, state.get("param_names", names))}
 
 
 def resume_back(args: argparse.Namespace) -> Dict[str, Any]:

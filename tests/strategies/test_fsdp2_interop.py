@@ -63,3 +63,12 @@ def test_fsdp2_dcp_comes_back_with_from_dcp_and_resumes(fsdp2_run, resumed_on_on
     assert sorted(resumed) == ["ddp", "fsdp", "fsdp-1", "single-1"]
     for strategy, case in resumed.items():
         assert case["ok"] and case["compared"] == 5 * 4, (strategy, case)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_one_step_after_the_resume_of_a_converted_file_is_the_same_under_each_strategy(fsdp2_run, resumed_on_one_rank):
+    """The ``replicated`` file resumed for one more step: the fork's FSDP and DDP on 2 ranks, and the fork's FSDP and
+    one device on 1 rank, end with the same parameters and Adam state (within float rounding), which moved."""
+    for stepped in (fsdp2_run[0]["adam"]["cases"]["back"]["stepped"], resumed_on_one_rank[0]["adam"]["stepped"]):
+        (case,) = stepped.values()
+        assert case["compared"] == 5 * 4 and case["max_diff"] < 1e-6 < case["moved"], stepped
