@@ -20,7 +20,7 @@ Every rank writes ``<out>/rank<N>.json``; driven by ``test_fsdp2_interop.py``.
 import argparse
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,9 +55,12 @@ FULL_LOAD = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 FULL_READ = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+MODEL_KWARGS = dict(width=WIDTH, units=UNITS, batches=2, extra_before=True)
+
+
 def _model(optimizer: str) -> FSDPModel:
     seed_everything(3)
-    return FSDPModel(width=WIDTH, units=UNITS, batches=2, extra_before=True, optimizer=optimizer)
+    return FSDPModel(**MODEL_KWARGS, optimizer=optimizer)
 
 
 def _fork_checkpoint(args: argparse.Namespace, optimizer: str) -> Path:
@@ -157,8 +160,16 @@ def _read(path: Path) -> Dict[str, Any]:
     return pl_load(str(path), map_location="cpu", mmap=True)
 
 
-def _portable(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-    return {"model": checkpoint["state_dict"], "optim": named_optimizer_state(checkpoint["optimizer_states"][0])}
+def _portable(checkpoint: Dict[str, Any], names: Optional[List[List[str]]] = None) -> Dict[str, Any]:
+    """The model's and the optimizers' state by name; several optimizers' states merged into one (their groups'
+    hyperparameters are the same here). ``names``: each optimizer's parameter names, for a state without them."""
+    states = checkpoint["optimizer_states"]
+    named = [named_optimizer_state(s, names[i] if names else None) for i, s in enumerate(states)]
+    if len(named) == 1:
+        return {"model": checkpoint["state_dict"], "optim": named[0]}
+    group = dict(named[0]["param_groups"][0], params=[n for s in named for g in s["param_groups"] for n in g["params"]])
+    merged = {"state": {k: v for s in named for k, v in s["state"].items()}, "param_groups": [group]}
+    return {"model": checkpoint["state_dict"], "optim": merged}
 
 
 def _plain_after_step(path: Path, optimizer: str) -> Dict[str, Any]:
@@ -203,15 +214,19 @@ def _dcp_layout(
     layout: str, model: nn.Module, optim: torch.optim.Optimizer
 ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """The state a DCP writer saves in ``layout``, and what it puts in ``meta.pt`` (Lightning 2.x's): the
-    converter's (``model``, ``optim``), Lightning 2.x's (``model``, ``optimizer_0``), torchtitan's (the model's keys at
+    converter's (``model``, ``optim``), Lightning 2.x's (``model``, ``optimizer_0`` and ``optimizer_1``: see
+    :class:`_TwoOptimizers`), torchtitan's (the model's keys at
     the top level, ``optimizer`` flattened, ``train_state``, ``lr_scheduler``, each rank's ``dataloader``), and
     torchtitan's again from a replicated (unsharded) model, every rank saving the same tensors: DCP then writes each
     entry from one rank, chosen for balance, and ``.metadata`` lists them rank by rank, out of the model's order."""
-    if layout in ("converter", "lightning2"):
+    if layout == "converter":
         model_state, optim_state = get_state_dict(model, optim)
-        if layout == "converter":
-            return {"model": model_state, "optim": optim_state}, {}
-        return {"model": model_state, "optimizer_0": optim_state}, {"epoch": 1, "global_step": 3, "lr_schedulers": []}
+        return {"model": model_state, "optim": optim_state}, {}
+    if layout == "lightning2":
+        state = {"model": get_model_state_dict(model)}
+        for i, split in enumerate(_split(model, optim)):
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(model, split)
+        return state, {"epoch": 1, "global_step": 3, "lr_schedulers": []}
     full = layout == "replicated"
     model_state, optim_state = get_state_dict(
         model, optim, options=StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=True)
@@ -219,6 +234,34 @@ def _dcp_layout(
     train_state = {"step": torch.tensor(5, dtype=torch.int32), "ntokens_seen": torch.tensor(640)}
     others = {"lr_scheduler": {"last_epoch": 5, "base_lrs": [0.01]}, "dataloader": {f"dp_rank_{global_rank()}": b"x"}}
     return {**model_state, "optimizer": optim_state, "train_state": train_state, **others}, {}
+
+
+def _split(model: nn.Module, optim: torch.optim.Optimizer) -> List[torch.optim.Optimizer]:
+    """``optim`` as Lightning 2.x's two optimizers of :class:`_TwoOptimizers`, with its state and hyperparameters."""
+    hyperparameters = {k: v for k, v in optim.param_groups[0].items() if k != "params"}
+    optimizers = []
+    for params in _TwoOptimizers.split(model):
+        split = type(optim)([dict(hyperparameters, params=params)])
+        split.state.update({p: optim.state[p] for p in params if p in optim.state})
+        optimizers.append(split)
+    return optimizers
+
+
+class _TwoOptimizers(FSDPModel):
+    """The model with two optimizers, as a Lightning 2.x run might have it: the parameter outside the blocks, and the
+    blocks'."""
+
+    @staticmethod
+    def split(model: nn.Module) -> List[List[nn.Parameter]]:
+        return [[model.before], list(model.layer.parameters())]
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int, optimizer_idx: int = 0) -> torch.Tensor:
+        return self._loss(batch)
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        hyperparameters = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        return [type(optimizer)([dict(hyperparameters, params=params)]) for params in self.split(self)]
 
 
 def _back_from_fsdp2(
@@ -292,7 +335,10 @@ def _resumes(args: argparse.Namespace, optimizer: str, strategies: Tuple[str, ..
 
 def _resume(args: argparse.Namespace, optimizer: str, path: Path, strategy: str, more_steps: int) -> Dict[str, Any]:
     """The state that ``strategy`` saves after resuming ``path`` and training ``more_steps`` steps, named (global
-    rank 0's; collective)."""
+    rank 0's; collective). Lightning 2.x's file is resumed by :class:`_TwoOptimizers`."""
+    two = ".lightning2." in path.name
+    seed_everything(3)
+    model = _TwoOptimizers(**MODEL_KWARGS, optimizer=optimizer) if two else _model(optimizer)
     resaved = args.out / f"{path.name}.{strategy}.{args.devices}.{more_steps}.ckpt"
     step = _read(path)["global_step"] + more_steps
     # the model's own sequential loader under every strategy: the same batches on one device as on one FSDP rank
@@ -300,15 +346,15 @@ def _resume(args: argparse.Namespace, optimizer: str, path: Path, strategy: str,
     trainer = Trainer(**quiet_trainer_kwargs(args.out, args.devices, **kwargs))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*max_steps|.*num_workers|.*does not have many workers")
-        trainer.fit(_model(optimizer), ckpt_path=str(path))
+        trainer.fit(model, ckpt_path=str(path))
     trainer.save_checkpoint(resaved)
     if global_rank() != 0:
         return {}
-    again = _read(resaved)
-    state = again["optimizer_states"][0]
-    # DDP and one device save the optimizer's own state, by index in the model's order
-    names = [name for name, p in _plain(optimizer)[0].named_parameters() if p.requires_grad]
-    return {"model": again["state_dict"], "optim": named_optimizer_state(state, state.get("param_names", names))}
+    # DDP and one device save each optimizer's own state, by index in its order of the model's parameters
+    plain = _plain(optimizer)[0]
+    name_of = {id(p): name for name, p in plain.named_parameters()}
+    groups = _TwoOptimizers.split(plain) if two else [[p for p in plain.parameters() if p.requires_grad]]
+    return _portable(_read(resaved), [[name_of[id(p)] for p in params] for params in groups])
 
 
 def resume_back(args: argparse.Namespace) -> Dict[str, Any]:

@@ -53,8 +53,9 @@ def test_fsdp2_dcp_comes_back_with_from_dcp_and_resumes(fsdp2_run, resumed_on_on
     """FSDP2's DCP save (after the step above) in each layout a DCP writer uses, converted with ``--from dcp``: the
     file equals FSDP2's full state bit for bit (parameters, Adam's tensors, groups), and the fork's FSDP and DDP on 2
     ranks, and the fork's FSDP and one device on 1 rank, restore all of it (saved again at once, equal by name).
-    ``replicated`` is torchtitan's layout from a model every rank holds whole: its ``.metadata`` lists the model out of
-    order (asserted), which the resume matches by name."""
+    ``lightning2`` holds two optimizers (the parameter outside the blocks, the blocks'), resumed by a LightningModule
+    with those two; ``replicated`` is torchtitan's layout from a model every rank holds whole: its ``.metadata`` lists
+    the model out of order (asserted), which the resume matches by name."""
     back = fsdp2_run[0]["adam"]["cases"]["back"][layout]
     assert back["file"]["ok"], back["file"]
     assert back["file"]["compared"] == 5 * 4, back["file"]
