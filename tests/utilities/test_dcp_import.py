@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOpt
 
 from pytorch_lightning import LightningModule, Trainer
 from pytorch_lightning.utilities import named_optimizer_state
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint, main
 from pytorch_lightning.utilities.dcp_import import _import_dcp
 from tests.utilities.test_convert_checkpoint import source, WideAdamModel  # noqa: F401 (the fixture)
@@ -49,14 +50,17 @@ def test_the_converters_layout_comes_back_and_resumes(source, tmp_path):  # noqa
 def test_a_torchtitan_style_directory_comes_back_and_resumes(tmp_path):
     """The model's keys at the top level, the optimizer state flattened (``flatten_optimizer_state_dict=True``) under
     ``optimizer``, with two groups of other learning rates and ``train_state``: the groups are rebuilt from the
-    per-parameter hyperparameters, ``--add-prefix`` maps the names, and the step is the global step."""
+    per-parameter hyperparameters, ``--add-prefix`` maps the names, and the step is the global step. The optimizer is
+    built from named parameters, whose names torch keeps in each group: they are the source's, not the
+    LightningModule's, and stay out of the file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
 
     torch.manual_seed(0)
     net = WideAdamModel().layer
-    rest = list(net[2].parameters()) + list(net[3].parameters())
-    optimizer = torch.optim.Adam([{"params": net[0].parameters(), "lr": 0.01}, {"params": rest}], lr=0.02)
+    named = list(net.named_parameters())
+    optimizer = torch.optim.Adam([{"params": named[:2], "lr": 0.01}, {"params": named[2:]}], lr=0.02)
+    assert "param_names" in optimizer.state_dict()["param_groups"][0]
     net(torch.randn(4, 32)).sum().backward()
     optimizer.step()
     options = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -72,6 +76,7 @@ def test_a_torchtitan_style_directory_comes_back_and_resumes(tmp_path):
     (state,) = back["optimizer_states"]
     assert state["param_names"] == [f"layer.{name}" for name, _ in net.named_parameters()]
     assert [g["lr"] for g in state["param_groups"]] == [0.01, 0.02]
+    assert not any("param_names" in g for g in state["param_groups"])
     assert [g["params"] for g in state["param_groups"]] == [[0, 1], [2, 3, 4, 5]]
     native = optimizer.state_dict()["state"]
     for index, entry in native.items():
@@ -239,6 +244,8 @@ def test_a_torchtitan_directory_of_a_hugging_face_model_comes_back_and_resumes(t
     with pytest.warns(UserWarning, match=message):
         _import_dcp(tmp_path / "tt", tmp_path / "back.ckpt", add_prefix="net.")
     assert opened.count(".metadata") == 1
+    with pytest.raises(MisconfigurationException, match=r"names parameters the model does not have: \['model.embed"):
+        _import_dcp(tmp_path / "tt", tmp_path / "other.ckpt", model_key="model")
     back = torch.load(tmp_path / "back.ckpt", weights_only=True)
     assert back["global_step"] == 7
     assert back["state_dict"].keys() == {f"net.{name}" for name in net.state_dict()}
@@ -307,9 +314,13 @@ def test_model_key_and_optim_key_override_the_detection(tmp_path, capsys):
     assert back["optimizer_states"][0]["param_names"] == ["net.weight", "net.bias"]
     expected = optimizer.state_dict()["state"][0]["momentum_buffer"]
     assert torch.equal(back["optimizer_states"][0]["state"][0]["momentum_buffer"], expected)
-    with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--force", "--model-key", "weights", "--optim-key", "adam"])
-    assert exit_info.value.code == 2 and "holds no optimizer state under 'adam'" in capsys.readouterr().err
+    for options, message in [
+        (["--optim-key", "adam"], "holds no optimizer state under 'adam'"),
+        (["--optim-key", "sgd", "--optim-key", "sgd"], "An optimizer key is given twice"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--force", "--model-key", "weights", *options])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, options
 
 
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
@@ -319,12 +330,14 @@ def test_the_command_line_refuses_what_does_not_apply_and_a_broken_source(source
     (exit 2), not taken for a failed write; nothing is written."""
     convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
     (tmp_path / "folder").mkdir()
+    (tmp_path / "link.ckpt").symlink_to("folder")
     dcp_argv = [str(tmp_path / "ckpt.dcp"), str(tmp_path / "back.ckpt"), "--from", "dcp"]
     for argv, message in [
         ([*dcp_argv, "--strip-prefix", "model."], "--strip-prefix applies to --to safetensors only, not to --from"),
         ([*dcp_argv, "--tie", "a=b"], "--tie applies to --to safetensors only"),
         ([str(source), str(tmp_path / "d"), "--to", "dcp", "--add-prefix", "x."], "--add-prefix applies to --from"),
         ([str(tmp_path / "ckpt.dcp"), str(tmp_path / "folder"), "--from", "dcp", "--force"], "is a directory"),
+        ([str(tmp_path / "ckpt.dcp"), str(tmp_path / "link.ckpt"), "--from", "dcp", "--force"], "is a symbolic link"),
         (["s3://bucket/run/step-10", str(tmp_path / "back.ckpt"), "--from", "dcp"], "s3://bucket/run/step-10 is a URL"),
         ([str(tmp_path / "ckpt.dcp"), "s3://bucket/back.ckpt", "--from", "dcp"], "reads and writes local paths only"),
     ]:
@@ -337,4 +350,31 @@ def test_the_command_line_refuses_what_does_not_apply_and_a_broken_source(source
     with pytest.raises(SystemExit) as exit_info:
         main([str(broken), str(tmp_path / "back.ckpt"), "--from", "dcp", "--no-progress"])
     assert exit_info.value.code == 2 and "cannot be read" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.dcp", "ckpt.dcp", "folder"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.dcp", "ckpt.dcp", "folder", "link.ckpt"]
+
+
+class _Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch PAYLOAD_RAN",))
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+@pytest.mark.parametrize("meta", ["payload", "list", "truncated"])
+def test_a_meta_pt_that_cannot_be_read_safely_is_refused(source, tmp_path, capsys, monkeypatch, meta):  # noqa: F811
+    """Lightning 2.x's ``meta.pt`` goes through the fork's safe loader: one that names anything ``weights_only`` does
+    not load is refused (exit 2) and its payload never runs; one that is not a checkpoint dict, or truncated, is
+    refused too; nothing is written."""
+    convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
+    value = {"epoch": 1, "hyper_parameters": {"x": _Payload()}} if meta == "payload" else [1, 2]
+    torch.save(value, tmp_path / "ckpt.dcp" / "meta.pt")
+    if meta == "truncated":
+        data = (tmp_path / "ckpt.dcp" / "meta.pt").read_bytes()
+        (tmp_path / "ckpt.dcp" / "meta.pt").write_bytes(data[: len(data) // 2])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "ckpt.dcp"), str(tmp_path / "back.ckpt"), "--from", "dcp", "--no-progress"])
+    message = {"payload": "PL_UNSAFE_CHECKPOINT_LOAD=1", "list": "holds a list", "truncated": "cannot be read"}[meta]
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.dcp"]

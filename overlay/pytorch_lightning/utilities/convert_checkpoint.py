@@ -453,15 +453,20 @@ def import_dcp(
             from the keys.
 
     Raises:
-        MisconfigurationException: ``dst`` exists and ``force`` is off, or is a directory, or ``src`` is not a DCP
-            directory this converter reads; nothing was written.
+        MisconfigurationException: ``dst`` exists and ``force`` is off, or is a directory or a symbolic link, or
+            ``src`` is not a DCP directory this converter reads; nothing was written.
     """
     src, dst = _local_paths(src, dst)
     if not (src / ".metadata").is_file():
         raise MisconfigurationException(f"{src} is not a DCP checkpoint directory (no `.metadata`).")
-    if dst.is_dir() and not dst.is_symlink():
+    if dst.is_symlink():
+        # the checkpoint writer would write through it, into whatever file or directory it names
+        raise MisconfigurationException(
+            f"{dst} is a symbolic link (to {os.readlink(dst)}): give the path of the file to write itself."
+        )
+    if dst.is_dir():
         raise MisconfigurationException(f"{dst} is a directory; `--from dcp` writes a checkpoint file.")
-    if (dst.exists() or dst.is_symlink()) and not force:
+    if dst.exists() and not force:
         raise MisconfigurationException(f"{dst} exists; pass `--force` (`force=True`) to replace it.")
     _import_dcp(
         src,

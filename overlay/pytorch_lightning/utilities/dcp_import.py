@@ -144,6 +144,8 @@ def _optim_keys(entries: Dict[str, Any], optim_keys: Optional[Sequence[str]]) ->
     """The optimizers' keys, as given, or every top-level key with ``param_groups`` under it: ``optimizer_0`` ...
     ``optimizer_N`` (Lightning 2.x's) by number, ``optim`` (the converter's), ``optimizer`` (torchtitan's)."""
     heads = list(dict.fromkeys(_head(key) for key in entries))
+    if optim_keys is not None and len(set(optim_keys)) != len(optim_keys):
+        raise MisconfigurationException(f"An optimizer key is given twice: {list(optim_keys)}.")
     if optim_keys is None:
         found = [h for h in heads if any(key.startswith(f"{h}.param_groups.") for key in entries)]
         numbered = [h for h in found if re.fullmatch(r"optimizer_[0-9]+", h)]
@@ -192,10 +194,16 @@ def _groups(
     for key in entries:
         if key.startswith(prefix):
             head, hyperparameter = key[len(prefix) :].rsplit(".", 1)
-            by_head.setdefault(head, {})[hyperparameter] = small[key]
+            # torch's own ``param_names`` (an optimizer built from ``named_parameters()``) name the source's
+            # parameters, not the LightningModule's: the fork's ``param_names`` do that
+            if hyperparameter != "param_names":
+                by_head.setdefault(head, {})[hyperparameter] = small[key]
     if _is_indexed(entries, optim_key):
         indexed = sorted(by_head.items(), key=lambda item: int(item[0]))
         return [({k: v for k, v in g.items() if k != "params"}, list(g.get("params", []))) for _, g in indexed]
+    unknown = [name for name in by_head if name not in set(names)]
+    if unknown:
+        raise _unknown_names_error(optim_key, unknown, names)
     groups: List[Tuple[Dict[str, Any], List[str]]] = []
     for name in names:
         if name in by_head:
@@ -205,6 +213,13 @@ def _groups(
                 same = groups[-1]
             same[1].append(name)
     return groups
+
+
+def _unknown_names_error(optim_key: str, unknown: List[str], names: List[str]) -> MisconfigurationException:
+    return MisconfigurationException(
+        f"The optimizer state under {optim_key!r} names parameters the model does not have: {unknown[:5]} (the"
+        f" model's first: {names[:3]}). Pass `--model-key` (`model_key`) if the model is under another key."
+    )
 
 
 def _optimizer_state(
@@ -217,10 +232,7 @@ def _optimizer_state(
     in_groups = [name for _, members in groups for name in members]
     unknown = [name for name in in_groups if name not in set(names)]
     if unknown:
-        raise MisconfigurationException(
-            f"The optimizer state under {optim_key!r} names parameters the model does not have: {unknown[:5]} (the"
-            f" model's first: {names[:3]}). Pass `--model-key` (`model_key`) if the model is under another key."
-        )
+        raise _unknown_names_error(optim_key, unknown, names)
     ordered = [name for name in names if name in set(in_groups)]
     index_of = {name: index for index, name in enumerate(ordered)}
     state: Dict[int, Dict[str, Any]] = {}
@@ -289,11 +301,8 @@ def _import_dcp(
         state, sources = _optimizer_state(entries, small, optim_key, names, add_prefix)
         checkpoint["optimizer_states"].append(state)
         placeholders += [(state["state"][index][state_key], key) for (index, state_key), key in sources.items()]
-    extra: Dict[str, Any] = {}
-    if (src / "meta.pt").is_file():
-        # Lightning 2.x's: the rest of its checkpoint (loops, callbacks, epoch, step, schedulers), through the fork's
-        # safe loader; its loops and callbacks are mapped to 1.6.5's when the file is resumed
-        extra = pl_load(str(src / "meta.pt"), map_location="cpu")
+    extra = _meta(src / "meta.pt") if (src / "meta.pt").is_file() else {}
+    if extra:
         checkpoint.update({k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")})
     _warn_what_starts_fresh(src, checkpoint, extra, _left_out(entries, used))
     with progress_bar(sum(p.nbytes for p, _ in placeholders)) as bar, _StreamedCheckpointFile(dst) as writer:
@@ -304,6 +313,25 @@ def _import_dcp(
             bar.update(values.nbytes)
             del values
         writer.complete = True
+
+
+def _meta(path: Path) -> Dict[str, Any]:
+    """Lightning 2.x's ``meta.pt``: the rest of its checkpoint (loops, callbacks, epoch, step, schedulers), through
+    the fork's safe loader; its loops and callbacks are mapped to 1.6.5's when the file is resumed.
+
+    Raises:
+        MisconfigurationException: it cannot be read, needs more than ``weights_only`` loads, or is not a dict.
+    """
+    try:
+        extra = pl_load(str(path), map_location="cpu")
+    except Exception as ex:
+        raise MisconfigurationException(
+            f"{path} cannot be read: {type(ex).__name__}: {' '.join(str(ex).split())[:300]} (the converter loads it"
+            " with `torch.load(weights_only=True)`; `PL_UNSAFE_CHECKPOINT_LOAD=1` unpickles a file you trust fully)."
+        ) from ex
+    if not isinstance(extra, dict):
+        raise MisconfigurationException(f"{path} holds a {type(extra).__name__}, not Lightning's checkpoint dict.")
+    return extra
 
 
 def _left_out(entries: Dict[str, Any], used: set) -> List[str]:

@@ -100,6 +100,14 @@ class _SafeFileSystemReader(FileSystemReader):
             raise MisconfigurationException(f"{path} is not a DCP checkpoint's metadata ({type(metadata).__name__}).")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
+        for info in (metadata.storage_data or {}).values():
+            # DCP writes its data files beside ``.metadata`` under plain names: any other path would have the reader
+            # copy a file from elsewhere on the machine into the converted checkpoint
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise MisconfigurationException(
+                    f"{path} points at the data file {name!r}, outside its directory: refused."
+                )
         return metadata
 
 
