@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOpt
 from pytorch_lightning import LightningModule, Trainer
 from pytorch_lightning.utilities import named_optimizer_state
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint, main
+from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint, import_dcp, main
 from pytorch_lightning.utilities.dcp_import import _import_dcp
 from tests.utilities.test_convert_checkpoint import source, WideAdamModel  # noqa: F401 (the fixture)
 
@@ -326,8 +326,9 @@ def test_model_key_and_optim_key_override_the_detection(tmp_path, capsys):
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
 def test_the_command_line_refuses_what_does_not_apply_and_a_broken_source(source, tmp_path, capsys):  # noqa: F811
     """Each direction's options are refused in the other; a directory is never replaced by the file; a URL is
-    refused (object storage for the converter is not supported yet); a source whose data file is missing is refused
-    (exit 2), not taken for a failed write; nothing is written."""
+    refused (object storage for the converter is not supported yet), and so are a file inside the source and a
+    folder that does not exist (in both directions); a source whose data file is missing is refused (exit 2), not
+    taken for a failed write; nothing is written."""
     convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
     (tmp_path / "folder").mkdir()
     (tmp_path / "link.ckpt").symlink_to("folder")
@@ -339,6 +340,10 @@ def test_the_command_line_refuses_what_does_not_apply_and_a_broken_source(source
         ([str(tmp_path / "ckpt.dcp"), str(tmp_path / "folder"), "--from", "dcp", "--force"], "is a directory"),
         ([str(tmp_path / "ckpt.dcp"), str(tmp_path / "link.ckpt"), "--from", "dcp", "--force"], "is a symbolic link"),
         (["s3://bucket/run/step-10", str(tmp_path / "back.ckpt"), "--from", "dcp"], "s3://bucket/run/step-10 is a URL"),
+        ([str(tmp_path / "ckpt.dcp"), str(tmp_path / "ckpt.dcp" / ".metadata"), "--from", "dcp", "--force"],
+         "is inside the DCP directory"),
+        ([str(tmp_path / "ckpt.dcp"), str(tmp_path / "no" / "back.ckpt"), "--from", "dcp"], "is not a directory"),
+        ([str(source), str(tmp_path / "no" / "out.dcp"), "--to", "dcp"], "is not a directory: create it first"),
         ([str(tmp_path / "ckpt.dcp"), "s3://bucket/back.ckpt", "--from", "dcp"], "reads and writes local paths only"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
@@ -378,3 +383,80 @@ def test_a_meta_pt_that_cannot_be_read_safely_is_refused(source, tmp_path, capsy
     message = {"payload": "PL_UNSAFE_CHECKPOINT_LOAD=1", "list": "holds a list", "truncated": "cannot be read"}[meta]
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.dcp"]
+
+
+class _WithExtraState(torch.nn.Linear):
+    """A module with extra state (as Transformer Engine's layers have): DCP flattens it into entries of its own."""
+
+    def get_extra_state(self):
+        return {"scale": torch.full((2,), 3.0), "recipe": "delayed"}
+
+    def set_extra_state(self, state):
+        self.loaded_extra_state = state
+
+
+class _TwoGroupModule(LightningModule):
+    """Two param groups with the same hyperparameters (kept apart, e.g. for a per-group schedule), and a module with
+    extra state."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(_WithExtraState(4, 4), torch.nn.Linear(4, 2))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 4), batch_size=2)
+
+    def configure_optimizers(self):
+        groups = [{"params": self.net[1].parameters()}, {"params": self.net[0].parameters()}]
+        return torch.optim.AdamW(groups, lr=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_merged_groups_and_extra_state_come_back_and_resume(tmp_path):
+    """Flattened groups with equal hyperparameters come back as one group: the resume gives each of the
+    LightningModule's groups its parameters by name. A module's extra state, flattened by DCP into a tensor and a
+    non-tensor entry, comes back as the one value ``load_state_dict`` expects, and the (strict) resume loads it."""
+    module = _TwoGroupModule()
+    optimizer = module.configure_optimizers()
+    module.net(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(module.net, optimizer, options=options)
+    dcp.save({**model_state, "optimizer": optim_state}, checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    with pytest.warns(UserWarning, match="starting fresh"):
+        _import_dcp(tmp_path / "tt", tmp_path / "back.ckpt", add_prefix="net.")
+    back = torch.load(tmp_path / "back.ckpt", weights_only=True)
+    extra = back["state_dict"]["net.0._extra_state"]
+    assert extra["recipe"] == "delayed" and torch.equal(extra["scale"], torch.full((2,), 3.0))
+    assert len(back["optimizer_states"][0]["param_groups"]) == 1  # merged: equal hyperparameters
+    resumed = _TwoGroupModule()
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=0, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(resumed, ckpt_path=str(tmp_path / "back.ckpt"))
+    assert resumed.net[0].loaded_extra_state["recipe"] == "delayed"
+    name_of = {id(p): f"net.{name}" for name, p in module.net.named_parameters()}
+    expected = named_optimizer_state(optimizer.state_dict(), [name_of[id(p)] for g in optimizer.param_groups
+                                                               for p in g["params"]])
+    loaded = trainer.optimizers[0]
+    resumed_names = {id(p): f"net.{name}" for name, p in resumed.net.named_parameters()}
+    assert [[resumed_names[id(p)] for p in g["params"]] for g in loaded.param_groups] == [
+        g["params"] for g in expected["param_groups"]
+    ]
+    for p in resumed.net.parameters():
+        for key, value in expected["state"][resumed_names[id(p)]].items():
+            assert torch.equal(loaded.state[p][key], value), (resumed_names[id(p)], key)
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_a_torch_without_the_streamed_writer_is_refused(source, tmp_path, monkeypatch):  # noqa: F811
+    """torch < 2.5 has no ``torch.serialization.skip_data``, which the file's writer needs."""
+    convert_checkpoint(source, tmp_path / "ckpt.dcp", to="dcp", progress=False)
+    monkeypatch.delattr(torch.serialization, "skip_data")
+    with pytest.raises(MisconfigurationException, match="needs torch >= 2.5"):
+        import_dcp(tmp_path / "ckpt.dcp", tmp_path / "back.ckpt")
+    assert not (tmp_path / "back.ckpt").exists()

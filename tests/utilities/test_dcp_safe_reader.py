@@ -105,17 +105,23 @@ def test_metadata_written_by_other_versions_loads(tmp_path, written_by, renames)
 
 
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
-@pytest.mark.parametrize("where", ["absolute", "parent"])
+@pytest.mark.parametrize("where", ["absolute", "parent", "symlink"])
 def test_metadata_that_points_outside_its_directory_is_refused(tmp_path, where):
-    """A ``.metadata`` whose data file lies elsewhere on the machine (another checkpoint's, here) would have the
-    reader copy that file's tensors into the converted checkpoint: refused."""
+    """A ``.metadata`` whose data file lies elsewhere on the machine (another checkpoint's, here), by its path or
+    through a symbolic link in the directory (a tarball can carry one), would have the reader copy that file's tensors
+    into the converted checkpoint: refused."""
     _save(tmp_path / "secret")
     _save(tmp_path / "ckpt")
     metadata = tmp_path / "ckpt" / ".metadata"
     original = pickle.loads(metadata.read_bytes())
     (data_file,) = (tmp_path / "secret").glob("*.distcp")
+    if where == "symlink":
+        (own,) = (tmp_path / "ckpt").glob("*.distcp")
+        own.unlink()
+        own.symlink_to(data_file)
     for info in original.storage_data.values():
-        info.relative_path = str(data_file) if where == "absolute" else f"../secret/{data_file.name}"
+        if where != "symlink":
+            info.relative_path = str(data_file) if where == "absolute" else f"../secret/{data_file.name}"
     metadata.write_bytes(pickle.dumps(original))
-    with pytest.raises(CheckpointException, match="points at the data file .*, outside its directory: refused"):
+    with pytest.raises(CheckpointException, match="points at the data file .*, outside its directory or a symbolic"):
         _load(tmp_path / "ckpt")

@@ -20,6 +20,7 @@ The hooks are ``DDPFullyShardedStrategy.optimizer_state`` and ``load_optimizer_s
 optimizer loads it.
 """
 # fork-feature: fork/portable-optimizer-state.patch
+import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -232,13 +233,14 @@ def _hyperparameters(group: Mapping[str, Any]) -> Dict[str, Any]:
 def _in_optimizer_order(
     expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any]
 ) -> Mapping[str, Any]:
-    """``opt_state`` with its param groups, and the parameters in each, in the order of ``expected`` where its
-    ``"param_names"`` name the same parameters per group in another order, else ``opt_state`` itself. A file
-    converted from a torch DCP directory has no other order than its ``.metadata``'s, where the entries that several
-    ranks hold (a replicated parameter's ``step``, the flattened groups' hyperparameters) come in the order of the
-    rank that wrote them."""
+    """``opt_state`` with its param groups, and the parameters in each, as in ``expected`` where its
+    ``"param_names"`` name the same parameters in another order or grouping: each expected group taken from the one
+    saved group that holds all its parameters (a saved group may give several, with the same hyperparameters), every
+    saved parameter exactly once; else ``opt_state`` itself, left to the check. A file converted from a torch DCP
+    directory has no other order than its ``.metadata``'s, where the entries that several ranks hold come in the
+    order of the rank that wrote them, and flattened groups with equal hyperparameters come back as one."""
     names, groups = opt_state.get("param_names"), opt_state.get("param_groups")
-    if names is None or groups is None or len(groups) != len(expected):
+    if names is None or groups is None:
         return opt_state
     try:
         saved = [[names[i] for i in group["params"]] for group in groups]
@@ -249,12 +251,18 @@ def _in_optimizer_order(
         return opt_state
     group_of = {name: g for g, members in enumerate(saved) for name in members}
     index_of = {name: i for i, name in enumerate(names)}
+    if len(group_of) != sum(map(len, saved)) or len(index_of) != len(names):
+        return opt_state  # a name twice: nothing to match by
     ordered = []
     for params in wanted:
-        g = group_of.get(params[0]) if params else None
-        if g is None or sorted(saved[g]) != sorted(params):
-            return opt_state  # other parameters: left to the check, which names the first mismatch
-        ordered.append(dict(groups[g], params=[index_of[name] for name in params]))
+        homes = {group_of.get(name) for name in params}
+        if len(homes) != 1 or None in homes:
+            return opt_state  # other parameters, or a group split across saved ones: the check names it
+        # a copy per group: a tensor hyperparameter of a saved group that gives two must not be shared by them
+        hyperparameters = copy.deepcopy({k: v for k, v in groups[homes.pop()].items() if k != "params"})
+        ordered.append(dict(hyperparameters, params=[index_of[name] for name in params]))
+    if sorted(name for params in wanted for name in params) != sorted(group_of):
+        return opt_state
     return dict(opt_state, param_groups=ordered)
 
 

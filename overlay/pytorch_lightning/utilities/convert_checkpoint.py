@@ -71,6 +71,7 @@ from pytorch_lightning.utilities.safetensors_export import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
 )
+from pytorch_lightning.utilities.streamed_checkpoint_file import _streamed_save_available
 from pytorch_lightning.utilities.types import _PATH
 
 #: a conversion's work directory (``converting``) or a ``--force``\\d destination being replaced (``replaced``)
@@ -125,6 +126,7 @@ def convert_checkpoint(
         _require_packages()
         if options.dtype is not None and options.dtype not in DTYPES:
             raise MisconfigurationException(f"Unknown dtype {options.dtype!r}; known: {', '.join(DTYPES)}.")
+    _check_folder_of(dst)
     remove_stale_conversions(dst.parent)
     if (dst.exists() or dst.is_symlink()) and not force:
         raise MisconfigurationException(f"{dst} exists; pass `--force` (`force=True`) to replace it.")
@@ -157,6 +159,17 @@ def _local_paths(*paths: _PATH) -> Tuple[Path, ...]:
             " is not supported yet). Copy the checkpoint to a local disk, convert it there, and upload the result."
         )
     return tuple(Path(str(path)[len("file://") :] if str(path).startswith("file://") else path) for path in paths)
+
+
+def _check_folder_of(dst: Path) -> None:
+    """Check that the folder ``dst`` goes into exists: it is not made, so that a mistyped path does not become new
+    folders.
+
+    Raises:
+        MisconfigurationException: if it does not.
+    """
+    if not dst.parent.is_dir():
+        raise MisconfigurationException(f"{dst.parent} is not a directory: create it first, or write elsewhere.")
 
 
 def _load(src: Path) -> Any:
@@ -457,8 +470,16 @@ def import_dcp(
             ``src`` is not a DCP directory this converter reads; nothing was written.
     """
     src, dst = _local_paths(src, dst)
+    if not _streamed_save_available():
+        raise MisconfigurationException(
+            f"`--from dcp` writes the file as the fork's streamed save does, which needs torch >= 2.5 (this is"
+            f" {torch.__version__})."
+        )
     if not (src / ".metadata").is_file():
         raise MisconfigurationException(f"{src} is not a DCP checkpoint directory (no `.metadata`).")
+    real_src = os.path.realpath(src)
+    if os.path.commonpath([os.path.realpath(dst), real_src]) == real_src:
+        raise MisconfigurationException(f"{dst} is inside the DCP directory {src}: write the file elsewhere.")
     if dst.is_symlink():
         # the checkpoint writer would write through it, into whatever file or directory it names
         raise MisconfigurationException(
@@ -466,6 +487,7 @@ def import_dcp(
         )
     if dst.is_dir():
         raise MisconfigurationException(f"{dst} is a directory; `--from dcp` writes a checkpoint file.")
+    _check_folder_of(dst)
     if dst.exists() and not force:
         raise MisconfigurationException(f"{dst} exists; pass `--force` (`force=True`) to replace it.")
     _import_dcp(

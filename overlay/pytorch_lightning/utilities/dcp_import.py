@@ -21,12 +21,14 @@ rebuilt from the per-parameter hyperparameters, identical ones merged. Every pic
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from tqdm import tqdm
 
 import pytorch_lightning as pl
@@ -36,6 +38,9 @@ from pytorch_lightning.utilities.exceptions import CheckpointError, Misconfigura
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from pytorch_lightning.utilities.streamed_checkpoint_file import _StreamedCheckpointFile
 
+#: the most bytes of tensors read by one ``dcp.load`` together (a larger tensor is read alone): within the memory
+#: bound of two of the largest tensors plus 16 MiB
+BATCH_BYTES = 8 * 2**20
 #: top-level keys of torchtitan's that are neither the model nor the optimizer: 1.6.5 has no place for them
 NOT_MODEL_KEYS = ("train_state", "lr_scheduler", "dataloader")
 
@@ -46,7 +51,10 @@ class _DcpDirectory:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.reader = _SafeFileSystemReader(str(path))
-        self.entries = self.reader.read_metadata().state_dict_metadata
+        metadata = self.reader.read_metadata()
+        self.entries = metadata.state_dict_metadata
+        #: each flattened entry's path in the state that was saved (``dcp.save``'s default planner records it)
+        self.planner_data: Dict[str, Any] = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
 
     def load(self, values: Dict[str, Any]) -> Dict[str, Any]:
         """Load the entries named by the keys of ``values`` (a tensor of the entry's shape and dtype, or ``None``
@@ -56,6 +64,8 @@ class _DcpDirectory:
             MisconfigurationException: the directory's files cannot be read (missing, truncated) or an entry needs
                 more than plain values to unpickle.
         """
+        if not values:
+            return values
         # flat keys as they are, the entries loaded into this very dict (a non-tensor entry is set, not copied into)
         planner = _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         try:
@@ -93,11 +103,27 @@ def _head(key: str) -> str:
     return key.split(".", 1)[0]
 
 
-def _fake(meta: TensorStorageMetadata) -> torch.Tensor:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
+def _fake(meta: TensorStorageMetadata, mode: Any) -> torch.Tensor:
+    # one ``FakeTensorMode`` for every placeholder of a file: each mode holds its own state (kilobytes per tensor)
+    with mode:
         return torch.empty(meta.size, dtype=meta.properties.dtype)
+
+
+def _set_nested(container: Any, path: Sequence[Any], value: Any) -> None:
+    """Set ``value`` at ``path`` (dict keys and list indices, as DCP's ``planner_data`` records a flattened entry)
+    inside ``container``, creating the dicts and lists on the way."""
+    for part, following in zip(path[:-1], path[1:]):
+        empty: Any = [] if isinstance(following, int) else {}
+        if isinstance(container, list):
+            container.extend([None] * (part + 1 - len(container)))
+            if container[part] is None:
+                container[part] = empty
+            container = container[part]
+        else:
+            container = container.setdefault(part, empty)
+    if isinstance(container, list):
+        container.extend([None] * (path[-1] + 1 - len(container)))
+    container[path[-1]] = value
 
 
 def _empty(meta: Any) -> Optional[torch.Tensor]:
@@ -223,7 +249,7 @@ def _unknown_names_error(optim_key: str, unknown: List[str], names: List[str]) -
 
 
 def _optimizer_state(
-    entries: Dict[str, Any], small: Dict[str, Any], optim_key: str, names: List[str], prefix: str
+    entries: Dict[str, Any], small: Dict[str, Any], optim_key: str, names: List[str], prefix: str, mode: Any
 ) -> Tuple[Dict[str, Any], Dict[Tuple[int, str], str]]:
     """The fork's optimizer state of the entries under ``optim_key`` (by index in the order of the model's keys
     ``names``, with ``param_names``), its tensors left as placeholders: returns it and, for each
@@ -247,7 +273,7 @@ def _optimizer_state(
         if _is_bytes(meta):
             state.setdefault(index_of[name], {})[state_key] = small[key]
         else:
-            state.setdefault(index_of[name], {})[state_key] = _fake(meta)
+            state.setdefault(index_of[name], {})[state_key] = _fake(meta, mode)
             sources[(index_of[name], state_key)] = key
     param_groups = [dict(hyperparameters, params=[index_of[n] for n in members]) for hyperparameters, members in groups]
     layout = {"state": state, "param_groups": param_groups, "param_names": [prefix + name for name in ordered]}
@@ -272,21 +298,30 @@ def _import_dcp(
         model_key = _detect_model_key(entries, small, optim_keys)
     used = {key for key in entries if _head(key) in optim_keys}
     model_prefix = f"{model_key}." if model_key else ""
-    model = {
-        key[len(model_prefix) :]: key
-        for key, meta in entries.items()
-        if key.startswith(model_prefix) and not _is_bytes(meta) and key not in used
-        and (model_key or _head(key) not in NOT_MODEL_KEYS)
-    }
-    if not model:
+    model = [
+        key
+        for key in entries
+        if key.startswith(model_prefix) and key not in used and (model_key or _head(key) not in NOT_MODEL_KEYS)
+    ]
+    if not any(not _is_bytes(entries[key]) for key in model):
         raise MisconfigurationException(
             f"{src} holds no model tensors under {model_key or 'its top level'!r} (its top-level keys:"
             f" {', '.join(dict.fromkeys(_head(key) for key in entries))})."
         )
-    used |= set(model.values())
-    names = list(model)
-    state_dict = {add_prefix + name: _fake(entries[key]) for name, key in model.items()}
-    placeholders = [(state_dict[add_prefix + name], key) for name, key in model.items()]
+    used |= set(model)
+    values = directory.load({key: None for key in model if _is_bytes(entries[key])})
+    mode = FakeTensorMode()
+    state_dict: Dict[str, Any] = {}
+    names: List[str] = []  # the parameters and buffers: the model's entries that are tensors of their own
+    placeholders: List[Tuple[torch.Tensor, str]] = []
+    for key in model:
+        path = _state_dict_path(key, model_key, directory.planner_data)
+        value = values[key] if _is_bytes(entries[key]) else _fake(entries[key], mode)
+        _set_nested(state_dict, (add_prefix + path[0], *path[1:]), value)
+        if not _is_bytes(entries[key]):
+            placeholders.append((value, key))
+            if len(path) == 1:
+                names.append(path[0])
     step = small.get("train_state.step")
     checkpoint: Dict[str, Any] = {
         "epoch": 0,
@@ -298,7 +333,7 @@ def _import_dcp(
     }
     used |= {"train_state.step"} & set(entries)
     for optim_key in optim_keys:
-        state, sources = _optimizer_state(entries, small, optim_key, names, add_prefix)
+        state, sources = _optimizer_state(entries, small, optim_key, names, add_prefix, mode)
         checkpoint["optimizer_states"].append(state)
         placeholders += [(state["state"][index][state_key], key) for (index, state_key), key in sources.items()]
     extra = _meta(src / "meta.pt") if (src / "meta.pt").is_file() else {}
@@ -307,12 +342,44 @@ def _import_dcp(
     _warn_what_starts_fresh(src, checkpoint, extra, _left_out(entries, used))
     with progress_bar(sum(p.nbytes for p, _ in placeholders)) as bar, _StreamedCheckpointFile(dst) as writer:
         writer.write_skeleton(checkpoint, [placeholder for placeholder, _ in placeholders])
-        for placeholder, key in placeholders:
-            values = directory.load({key: torch.empty(placeholder.shape, dtype=placeholder.dtype)})[key]
-            writer.write(placeholder, values)
-            bar.update(values.nbytes)
-            del values
+        for batch in _batches(placeholders):
+            loaded = directory.load({key: torch.empty(p.shape, dtype=p.dtype) for p, key in batch})
+            for placeholder, key in batch:
+                writer.write(placeholder, loaded[key])
+                bar.update(placeholder.nbytes)
+            del loaded
         writer.complete = True
+
+
+def _batches(placeholders: List[Tuple[torch.Tensor, str]]) -> Iterator[List[Tuple[torch.Tensor, str]]]:
+    """The placeholders in the batches read by one ``dcp.load`` each: small tensors together, up to
+    :data:`BATCH_BYTES` (a ``dcp.load`` costs about a millisecond of planning), a larger one alone."""
+    batch: List[Tuple[torch.Tensor, str]] = []
+    size = 0
+    for placeholder, key in placeholders:
+        if batch and size + placeholder.nbytes > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append((placeholder, key))
+        size += placeholder.nbytes
+    if batch:
+        yield batch
+
+
+def _state_dict_path(key: str, model_key: str, planner_data: Dict[str, Any]) -> Tuple[Any, ...]:
+    """Where the model's entry ``key`` goes in the state dict: its key, and inside the value of a module's extra state
+    (``get_extra_state``, e.g. ``{"scale": ...}``, which DCP flattened) the keys and indices ``planner_data``
+    recorded."""
+    path = planner_data.get(key)
+    depth = 2 if model_key else 1
+    if (
+        isinstance(path, tuple)
+        and len(path) > depth
+        and str(path[depth - 1]).endswith(_EXTRA_STATE_KEY_SUFFIX)
+        and (not model_key or path[0] == model_key)
+    ):
+        return tuple(path[depth - 1 :])
+    return (key[len(model_key) + 1 :] if model_key else key,)
 
 
 def _meta(path: Path) -> Dict[str, Any]:

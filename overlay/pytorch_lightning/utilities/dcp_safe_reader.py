@@ -11,6 +11,7 @@ entries with ``torch.load(weights_only=True)``. A file that needs anything else 
 """
 # fork-feature: fork/checkpoint-converter.patch
 import io
+import os
 import pathlib
 import pickle
 from typing import Any, FrozenSet, Optional, Tuple
@@ -100,13 +101,13 @@ class _SafeFileSystemReader(FileSystemReader):
             raise MisconfigurationException(f"{path} is not a DCP checkpoint's metadata ({type(metadata).__name__}).")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        for info in (metadata.storage_data or {}).values():
-            # DCP writes its data files beside ``.metadata`` under plain names: any other path would have the reader
-            # copy a file from elsewhere on the machine into the converted checkpoint
-            name = getattr(info, "relative_path", None)
-            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        for name in {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}:
+            # DCP writes its data files beside ``.metadata`` under plain names: any other path, or a symbolic link,
+            # would have the reader copy a file from elsewhere on the machine into the converted checkpoint
+            plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            if not plain or os.path.islink(os.path.join(str(self.path), name)):
                 raise MisconfigurationException(
-                    f"{path} points at the data file {name!r}, outside its directory: refused."
+                    f"{path} points at the data file {name!r}, outside its directory or a symbolic link: refused."
                 )
         return metadata
 
