@@ -19,9 +19,10 @@ directory, or the model weights into safetensors shards) and measures the extra 
 - ``by-hand-safetensors``: what a user writes with ``huggingface_hub``: ``torch.load(mmap=True)``, each weight
   converted to bf16, then ``huggingface_hub.save_torch_state_dict`` with the same shard size;
 - ``converter-from-dcp``: ``import_dcp(DCP, DST)``, what ``--from dcp`` runs, from the DCP directory the converter
-  wrote of the file (``source.dcp``, written once before the methods run). Its placeholders are fake tensors, as the
-  fork's streamed FSDP save makes them: the first fake tensor of a process costs a fixed amount of memory (torch's
-  lazily built dispatch state, whatever the size), measured apart (``init_mb``) before the conversion is;
+  wrote of the file (``source.dcp``, written once, by the first such method before it measures). Its placeholders
+  are fake tensors, as the fork's streamed FSDP save makes them: the first fake tensor of a process costs a fixed
+  amount of memory (torch's lazily built dispatch state, whatever the size), measured apart (``init_mb``) before
+  the conversion is;
 - ``by-hand-from-dcp``: torch's ``dcp_to_torch_save(DCP, DST)``, which loads the whole state before it saves it (its
   file holds DCP's keys, not a checkpoint 1.6.5 resumes: the peer in memory only).
 
@@ -80,15 +81,19 @@ def write_checkpoint(path: Path, size_mb: float, units: int, optimizer: str) -> 
     return {"file_mb": path.stat().st_size / MIB, "largest_tensor_mb": largest / MIB, "width": width}
 
 
-def write_dcp_source(src: Path, directory: Path) -> None:
-    """The DCP directory of the file, as the converter writes it: the source of the ``-from-dcp`` methods."""
+def dcp_source(src: Path) -> Path:
+    """The DCP directory of the file, as the converter writes it: the source of the ``-from-dcp`` methods, written
+    by the first of them, before it measures (in its own process: the runner does not import Lightning)."""
     import warnings
 
     from pytorch_lightning.utilities.convert_checkpoint import convert_checkpoint
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        convert_checkpoint(src, directory, to="dcp", progress=False)
+    directory = src.with_suffix(".dcp")
+    if not directory.exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            convert_checkpoint(src, directory, to="dcp", progress=False)
+    return directory
 
 
 def measure(method: str, src: Path, dst: Path, shard_mb: float) -> Dict[str, Any]:
@@ -115,16 +120,18 @@ def measure(method: str, src: Path, dst: Path, shard_mb: float) -> Dict[str, Any
 
         from pytorch_lightning.utilities.convert_checkpoint import import_dcp
 
+        source = dcp_source(src)
         with PeakMemory() as first_fake_tensor, FakeTensorMode():
             torch.empty(1)
         init_mb = first_fake_tensor.result()["peak_extra_mb"]
         with PeakMemory() as meter:
-            import_dcp(src, dst, progress=False)
+            import_dcp(source, dst, progress=False)
     elif method == "by-hand-from-dcp":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+        source = dcp_source(src)
         with PeakMemory() as meter:
-            dcp_to_torch_save(src, dst)
+            dcp_to_torch_save(source, dst)
     elif method == "by-hand-safetensors":
         import torch
         from huggingface_hub import save_torch_state_dict
@@ -154,13 +161,10 @@ def run(args: argparse.Namespace, folder: Path) -> List[Dict[str, Any]]:
     src = folder / "source.ckpt"
     info = write_checkpoint(src, args.size_mb, args.units, args.optimizer)
     methods = args.methods.split(",")
-    if any(method.endswith("-from-dcp") for method in methods):
-        write_dcp_source(src, folder / "source.dcp")
     results = []
     for method in methods:
         out = folder / f"{method}.json"
-        source = folder / "source.dcp" if method.endswith("-from-dcp") else src
-        argv = ["--measure", method, "--src", str(source), "--dst", str(folder / f"{method}.out"), "--result", str(out)]
+        argv = ["--measure", method, "--src", str(src), "--dst", str(folder / f"{method}.out"), "--result", str(out)]
         argv += ["--shard-mb", str(args.shard_mb)]
         launched = run_module(MODULE, argv, timeout=args.timeout, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
         if launched.returncode != 0 or not out.exists():
