@@ -161,6 +161,8 @@ def run(args: argparse.Namespace, folder: Path) -> List[Dict[str, Any]]:
     src = folder / "source.ckpt"
     info = write_checkpoint(src, args.size_mb, args.units, args.optimizer)
     methods = args.methods.split(",")
+    # written anew, by the first -from-dcp method, from this run's file (an --out folder may hold an earlier one)
+    shutil.rmtree(folder / "source.dcp", ignore_errors=True)
     results = []
     for method in methods:
         out = folder / f"{method}.json"

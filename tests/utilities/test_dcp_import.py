@@ -226,6 +226,7 @@ def test_a_torchtitan_directory_of_a_hugging_face_model_comes_back_and_resumes(t
         "train_state": {"step": torch.tensor(7, dtype=torch.int32), "ntokens_seen": torch.tensor(84)},
         "lr_scheduler": {"last_epoch": 7, "base_lrs": [1e-3, 2e-3], "_step_count": 8},
         "dataloader": {"dp_rank_0": io.BytesIO(b"sampler state")},
+        "job_config": {"seq_len": 6},  # not the model's: left out
     }
     dcp.save(state, checkpoint_id=str(tmp_path / "tt"), no_dist=True)
     opened = []
@@ -239,7 +240,7 @@ def test_a_torchtitan_directory_of_a_hugging_face_model_comes_back_and_resumes(t
     message = (
         r"global step 7; starting fresh \(not in the directory\): the loops, the callbacks' state, a configured"
         r" learning-rate scheduler; left out \(1.6.5 has no place for them\): train_state.ntokens_seen,"
-        r" lr_scheduler.\*, dataloader.\*"
+        r" lr_scheduler.\*, dataloader.\*, job_config.\*"
     )
     with pytest.warns(UserWarning, match=message):
         _import_dcp(tmp_path / "tt", tmp_path / "back.ckpt", add_prefix="net.")
@@ -396,11 +397,12 @@ class _WithExtraState(torch.nn.Linear):
 
 
 class _TwoGroupModule(LightningModule):
-    """Two param groups with the same hyperparameters (kept apart, e.g. for a per-group schedule), and a module with
-    extra state."""
+    """Two param groups with the same hyperparameters (kept apart, e.g. for a per-group schedule; ``decay`` gives the
+    second another weight decay), and a module with extra state."""
 
-    def __init__(self):
+    def __init__(self, decay: float = 0.01):
         super().__init__()
+        self.decay = decay
         self.net = torch.nn.Sequential(_WithExtraState(4, 4), torch.nn.Linear(4, 2))
 
     def training_step(self, batch, batch_idx):
@@ -410,15 +412,17 @@ class _TwoGroupModule(LightningModule):
         return torch.utils.data.DataLoader(torch.randn(4, 4), batch_size=2)
 
     def configure_optimizers(self):
-        groups = [{"params": self.net[1].parameters()}, {"params": self.net[0].parameters()}]
+        first, second = self.net[1].parameters(), self.net[0].parameters()
+        groups = [{"params": first}, {"params": second, "weight_decay": self.decay}]
         return torch.optim.AdamW(groups, lr=1e-3)
 
 
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
 def test_merged_groups_and_extra_state_come_back_and_resume(tmp_path):
     """Flattened groups with equal hyperparameters come back as one group: the resume gives each of the
-    LightningModule's groups its parameters by name. A module's extra state, flattened by DCP into a tensor and a
-    non-tensor entry, comes back as the one value ``load_state_dict`` expects, and the (strict) resume loads it."""
+    LightningModule's groups its parameters by name; a LightningModule that configures those groups apart (another
+    weight decay) is refused, as before. A module's extra state, flattened by DCP into a tensor and a non-tensor
+    entry, comes back as the one value ``load_state_dict`` expects, and the (strict) resume loads it."""
     module = _TwoGroupModule()
     optimizer = module.configure_optimizers()
     module.net(torch.randn(2, 4)).sum().backward()
@@ -450,6 +454,12 @@ def test_merged_groups_and_extra_state_come_back_and_resume(tmp_path):
     for p in resumed.net.parameters():
         for key, value in expected["state"][resumed_names[id(p)]].items():
             assert torch.equal(loaded.state[p][key], value), (resumed_names[id(p)], key)
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=0, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    with pytest.raises(MisconfigurationException, match="the checkpoint has 1 param groups, the optimizer 2"):
+        trainer.fit(_TwoGroupModule(decay=0.0), ckpt_path=str(tmp_path / "back.ckpt"))
 
 
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to")

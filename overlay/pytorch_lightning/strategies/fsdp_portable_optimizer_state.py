@@ -231,14 +231,16 @@ def _hyperparameters(group: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def _in_optimizer_order(
-    expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any]
+    expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any], optimizer: Optimizer
 ) -> Mapping[str, Any]:
-    """``opt_state`` with its param groups, and the parameters in each, as in ``expected`` where its
-    ``"param_names"`` name the same parameters in another order or grouping: each expected group taken from the one
-    saved group that holds all its parameters (a saved group may give several, with the same hyperparameters), every
-    saved parameter exactly once; else ``opt_state`` itself, left to the check. A file converted from a torch DCP
-    directory has no other order than its ``.metadata``'s, where the entries that several ranks hold come in the
-    order of the rank that wrote them, and flattened groups with equal hyperparameters come back as one."""
+    """``opt_state`` with its param groups, and the parameters in each, as in ``expected`` (the parameters of each
+    of ``optimizer``'s groups) where its ``"param_names"`` name the same parameters in another order or grouping:
+    each expected group taken from the one saved group that holds all its parameters, every saved group and
+    parameter used; a saved group gives several only where ``optimizer`` configures those with equal
+    hyperparameters (as they were, merged, in the file). Else ``opt_state`` itself, left to the check. A file
+    converted from a torch DCP directory has no other order than its ``.metadata``'s, where the entries that several
+    ranks hold come in the order of the rank that wrote them, and flattened groups with equal hyperparameters come
+    back as one."""
     names, groups = opt_state.get("param_names"), opt_state.get("param_groups")
     if names is None or groups is None:
         return opt_state
@@ -253,17 +255,34 @@ def _in_optimizer_order(
     index_of = {name: i for i, name in enumerate(names)}
     if len(group_of) != sum(map(len, saved)) or len(index_of) != len(names):
         return opt_state  # a name twice: nothing to match by
-    ordered = []
+    homes = []
     for params in wanted:
-        homes = {group_of.get(name) for name in params}
-        if len(homes) != 1 or None in homes:
+        home = {group_of.get(name) for name in params}
+        if len(home) != 1 or None in home:
             return opt_state  # other parameters, or a group split across saved ones: the check names it
-        # a copy per group: a tensor hyperparameter of a saved group that gives two must not be shared by them
-        hyperparameters = copy.deepcopy({k: v for k, v in groups[homes.pop()].items() if k != "params"})
-        ordered.append(dict(hyperparameters, params=[index_of[name] for name in params]))
-    if sorted(name for params in wanted for name in params) != sorted(group_of):
+        homes.append(home.pop())
+    every_name_once = sorted(name for params in wanted for name in params) == sorted(group_of)
+    if not every_name_once or set(homes) != set(range(len(saved))) or len(wanted) != len(optimizer.param_groups):
         return opt_state
+    for g in set(homes):
+        configured = [_hyperparameters(group) for group, home in zip(optimizer.param_groups, homes) if home == g]
+        if any(not _equal_values(configured[0], other) for other in configured[1:]):
+            return opt_state  # one saved group for groups configured apart: not a merge, the check refuses it
+    ordered = [
+        # a copy per group: a tensor hyperparameter of a saved group that gives two must not be shared by them
+        dict(copy.deepcopy(_hyperparameters(groups[g])), params=[index_of[name] for name in params])
+        for params, g in zip(wanted, homes)
+    ]
     return dict(opt_state, param_groups=ordered)
+
+
+def _equal_values(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    def equal(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return bool(x == y)
+
+    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
 
 
 def _first_mismatch(expected: Sequence[Sequence[_PlainParameter]], opt_state: Mapping[str, Any]) -> Optional[str]:
@@ -359,7 +378,7 @@ def _fitting_optimizer_state(
         [_PlainParameter(names.get(id(p), f"<not in the model: {tuple(p.shape)}>"), p.shape, ()) for p in g["params"]]
         for g in optimizer.param_groups
     ]
-    opt_state = _in_optimizer_order(expected, opt_state)
+    opt_state = _in_optimizer_order(expected, opt_state, optimizer)
     mismatch = _first_mismatch(expected, opt_state)
     if mismatch is not None:
         raise _mismatch_error(optimizer, mismatch)
@@ -373,7 +392,7 @@ def _load_portable_optimizer_state(module: Module, optimizer: Optimizer, opt_sta
     and shapes) restores only the hyperparameters, with a warning."""
     layout = _portable_layout(module, optimizer)
     expected = [[layout.parameters[i] for i in indices] for indices in layout.groups]
-    opt_state = _in_optimizer_order(expected, opt_state)
+    opt_state = _in_optimizer_order(expected, opt_state, optimizer)
     mismatch = _first_mismatch(expected, opt_state)
     if mismatch is not None:
         if _is_rank_zero_shard(module, optimizer, opt_state):

@@ -301,7 +301,12 @@ def _import_dcp(
     model = [
         key
         for key in entries
-        if key.startswith(model_prefix) and key not in used and (model_key or _head(key) not in NOT_MODEL_KEYS)
+        if key.startswith(model_prefix)
+        and key not in used
+        and (model_key or _head(key) not in NOT_MODEL_KEYS)
+        # a non-tensor entry only as a module's extra state: anything else beside the model's tensors is not the
+        # model's (a top-level ``epoch`` or ``config`` of the writer's), and a strict load would refuse it
+        and (not _is_bytes(entries[key]) or _is_extra_state(key, model_key, directory.planner_data))
     ]
     if not any(not _is_bytes(entries[key]) for key in model):
         raise MisconfigurationException(
@@ -371,15 +376,20 @@ def _state_dict_path(key: str, model_key: str, planner_data: Dict[str, Any]) -> 
     (``get_extra_state``, e.g. ``{"scale": ...}``, which DCP flattened) the keys and indices ``planner_data``
     recorded."""
     path = planner_data.get(key)
-    depth = 2 if model_key else 1
+    parents = tuple(model_key.split(".")) if model_key else ()
+    depth = len(parents) + 1
     if (
         isinstance(path, tuple)
         and len(path) > depth
         and str(path[depth - 1]).endswith(_EXTRA_STATE_KEY_SUFFIX)
-        and (not model_key or path[0] == model_key)
+        and tuple(path[: depth - 1]) == parents
     ):
         return tuple(path[depth - 1 :])
     return (key[len(model_key) + 1 :] if model_key else key,)
+
+
+def _is_extra_state(key: str, model_key: str, planner_data: Dict[str, Any]) -> bool:
+    return str(_state_dict_path(key, model_key, planner_data)[0]).endswith(_EXTRA_STATE_KEY_SUFFIX)
 
 
 def _meta(path: Path) -> Dict[str, Any]:
