@@ -266,7 +266,7 @@ def _in_optimizer_order(
         return opt_state
     for g in set(homes):
         configured = [_hyperparameters(group) for group, home in zip(optimizer.param_groups, homes) if home == g]
-        if any(not _equal_values(configured[0], other) for other in configured[1:]):
+        if any(not _equal_hyperparameters(configured[0], other) for other in configured[1:]):
             return opt_state  # one saved group for groups configured apart: not a merge, the check refuses it
     ordered = [
         # a copy per group: a tensor hyperparameter of a saved group that gives two must not be shared by them
@@ -276,11 +276,15 @@ def _in_optimizer_order(
     return dict(opt_state, param_groups=ordered)
 
 
-def _equal_values(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+def _equal_hyperparameters(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two param groups' hyperparameters are the same: the same keys, values of the same type, a tensor
+    (``lr``) of the same dtype and values."""
+
     def equal(x: Any, y: Any) -> bool:
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
-        return bool(x == y)
+            both = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+            return both and x.dtype == y.dtype and torch.equal(x, y)
+        return type(x) is type(y) and bool(x == y)
 
     return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
 

@@ -32,6 +32,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from tqdm import tqdm
 
 import pytorch_lightning as pl
+from pytorch_lightning.strategies.fsdp_portable_optimizer_state import _equal_hyperparameters
 from pytorch_lightning.utilities.cloud_io import load as pl_load
 from pytorch_lightning.utilities.dcp_safe_reader import _SafeFileSystemReader, _SafeLoadPlanner
 from pytorch_lightning.utilities.exceptions import CheckpointError, MisconfigurationException
@@ -197,19 +198,6 @@ def _detect_model_key(entries: Dict[str, Any], small: Dict[str, Any], optim_keys
     return "model"
 
 
-def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    """Whether two groups' hyperparameters are equal (a tensor ``lr`` equal in dtype and value)."""
-
-    def equal(x: Any, y: Any) -> bool:
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and (
-                torch.equal(x, y)
-            )
-        return type(x) is type(y) and x == y
-
-    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-
-
 def _groups(
     entries: Dict[str, Any], small: Dict[str, Any], optim_key: str, names: List[str]
 ) -> List[Tuple[Dict[str, Any], List[str]]]:
@@ -227,25 +215,16 @@ def _groups(
     if _is_indexed(entries, optim_key):
         indexed = sorted(by_head.items(), key=lambda item: int(item[0]))
         return [({k: v for k, v in g.items() if k != "params"}, list(g.get("params", []))) for _, g in indexed]
-    unknown = [name for name in by_head if name not in set(names)]
-    if unknown:
-        raise _unknown_names_error(optim_key, unknown, names)
+    known = set(names)
+    # the model's names first, in its order; a name the model lacks last, for the caller to refuse
     groups: List[Tuple[Dict[str, Any], List[str]]] = []
-    for name in names:
-        if name in by_head:
-            same = next((g for g in groups if _same(g[0], by_head[name])), None)
-            if same is None:
-                groups.append((by_head[name], []))
-                same = groups[-1]
-            same[1].append(name)
+    for name in [n for n in names if n in by_head] + [n for n in by_head if n not in known]:
+        same = next((g for g in groups if _equal_hyperparameters(g[0], by_head[name])), None)
+        if same is None:
+            groups.append((by_head[name], []))
+            same = groups[-1]
+        same[1].append(name)
     return groups
-
-
-def _unknown_names_error(optim_key: str, unknown: List[str], names: List[str]) -> MisconfigurationException:
-    return MisconfigurationException(
-        f"The optimizer state under {optim_key!r} names parameters the model does not have: {unknown[:5]} (the"
-        f" model's first: {names[:3]}). Pass `--model-key` (`model_key`) if the model is under another key."
-    )
 
 
 def _optimizer_state(
@@ -256,10 +235,14 @@ def _optimizer_state(
     ``(index, state key)`` of a tensor, the DCP key it comes from."""
     groups = _groups(entries, small, optim_key, names)
     in_groups = [name for _, members in groups for name in members]
-    unknown = [name for name in in_groups if name not in set(names)]
+    known, held = set(names), set(in_groups)
+    unknown = [name for name in in_groups if name not in known]
     if unknown:
-        raise _unknown_names_error(optim_key, unknown, names)
-    ordered = [name for name in names if name in set(in_groups)]
+        raise MisconfigurationException(
+            f"The optimizer state under {optim_key!r} names parameters the model does not have: {unknown[:5]} (the"
+            f" model's first: {names[:3]}). Pass `--model-key` (`model_key`) if the model is under another key."
+        )
+    ordered = [name for name in names if name in held]
     index_of = {name: index for index, name in enumerate(ordered)}
     state: Dict[int, Dict[str, Any]] = {}
     sources: Dict[Tuple[int, str], str] = {}
